@@ -1,0 +1,15 @@
+"""lightning_opkit: PyTorch Lightning callbacks for operator-level training work."""
+
+from lightning_opkit.nan import NaNDetector, NonFiniteError
+from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
+
+__all__ = [
+    "OP_CLASSES",
+    "NaNDetector",
+    "NonFiniteError",
+    "classify_function",
+    "classify_module",
+    "classify_name",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,206 @@
+"""Find where a non-finite value first appears, by running a step again with per-module hooks attached.
+
+This is the slow path of :class:`~lightning_opkit.NaNDetector`: it runs only after the cheap per-step check saw a
+non-finite loss or gradient, so it may sync freely. Everything here works on a plain ``nn.Module`` and a callable
+that computes the loss, and is tested without a Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_opkit._patch import Patches
+from lightning_opkit.opclass import classify_module
+
+
+def _floats(value: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+
+
+def _stats(tensors: list[Tensor]) -> Tensor:
+    """``[any non-finite, nan count, inf count, finite min, finite max, finite abs-max]`` on the device."""
+    if not tensors:
+        return torch.tensor([0.0, 0.0, 0.0, float("nan"), float("nan"), float("nan")])
+    rows = []
+    for t in tensors:
+        t = t.detach().float()
+        finite = t.isfinite()
+        rows.append(
+            torch.stack(
+                [
+                    (~finite).any().float(),
+                    t.isnan().sum().float(),
+                    t.isinf().sum().float(),
+                    torch.where(finite, t, torch.inf).amin(),
+                    torch.where(finite, t, -torch.inf).amax(),
+                    torch.where(finite, t.abs(), -torch.inf).amax(),
+                ]
+            ).cpu()
+        )
+    s = torch.stack(rows)
+    return torch.stack([s[:, 0].amax(), s[:, 1].sum(), s[:, 2].sum(), s[:, 3].amin(), s[:, 4].amax(), s[:, 5].amax()])
+
+
+@dataclass
+class _Record:
+    kind: str  # "module" or "param"
+    name: str
+    module: nn.Module | None
+    dtype: str
+    inputs: Tensor  # stats of inputs (forward) / grad_output (backward)
+    outputs: Tensor  # stats of output (forward) / grad_input or parameter grad (backward)
+
+
+@dataclass
+class Recorder:
+    """Hooks that record, per module and in execution order, whether inputs and outputs were finite.
+
+    Args:
+        modules: ``(path, module)`` pairs to hook.
+        params: ``(name, parameter)`` pairs whose gradients to record.
+        forward: record forward outputs.
+        backward: record module input-gradients and parameter gradients.
+
+    Example:
+        >>> rec = Recorder([("0", nn.Linear(2, 2))], [], forward=True, backward=False)  # doctest: +SKIP
+    """
+
+    modules: list[tuple[str, nn.Module]]
+    params: list[tuple[str, nn.Parameter]]
+    forward: bool = True
+    backward: bool = True
+    fwd: list[_Record] = field(default_factory=list)
+    bwd: list[_Record] = field(default_factory=list)
+    _patches: Patches = field(default_factory=Patches)
+
+    def __enter__(self) -> Recorder:
+        for path, module in self.modules:
+            if self.forward:
+                self._patches.hold(module.register_forward_hook(self._forward_hook(path), with_kwargs=True))
+            if self.backward:
+                self._patches.hold(module.register_full_backward_hook(self._backward_hook(path)))
+        if self.backward:
+            for name, param in self.params:
+                if param.requires_grad:
+                    self._patches.hold(param.register_hook(self._param_hook(name, param)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patches.restore()
+
+    def _forward_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            outs = _floats(output)
+            dtype = str(outs[0].dtype).replace("torch.", "") if outs else "-"
+            self.fwd.append(_Record("module", path, module, dtype, _stats(_floats((args, kwargs))), _stats(outs)))
+
+        return hook
+
+    def _backward_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            gin = _floats(grad_input)
+            dtype = str(gin[0].dtype).replace("torch.", "") if gin else "-"
+            self.bwd.append(_Record("module", path, module, dtype, _stats(_floats(grad_output)), _stats(gin)))
+
+        return hook
+
+    def _param_hook(self, name: str, param: nn.Parameter) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            dtype = str(grad.dtype).replace("torch.", "")
+            self.bwd.append(_Record("param", name, None, dtype, _stats([]), _stats([grad])))
+
+        return hook
+
+    def forward_origin(self) -> _Record | None:
+        """The first module whose output is non-finite while its inputs were finite."""
+        return next((r for r in self.fwd if r.outputs[0] > 0 and r.inputs[0] == 0), None)
+
+    def backward_origin(self) -> _Record | None:
+        """The first module whose input-gradient went non-finite from a finite output-gradient, else a parameter."""
+        origin = next((r for r in self.bwd if r.kind == "module" and r.outputs[0] > 0 and r.inputs[0] == 0), None)
+        return origin or next((r for r in self.bwd if r.kind == "param" and r.outputs[0] > 0), None)
+
+
+def _owner(param_name: str, named: dict[str, nn.Module]) -> tuple[str, nn.Module | None]:
+    path = param_name.rpartition(".")[0]
+    return path, named.get(path)
+
+
+def replay(
+    model: nn.Module,
+    compute_loss: Callable[[], Tensor | None],
+    *,
+    modules: list[tuple[str, nn.Module]],
+    forward: bool,
+    backward: bool,
+) -> tuple[Recorder, Tensor | None]:
+    """Run ``compute_loss`` with hooks attached, then backward to the parameters without touching ``.grad``.
+
+    Buffers (BatchNorm statistics) are restored afterwards, and the step runs eagerly even if parts of the model
+    are compiled, so the hooks fire and nothing is recompiled.
+
+    Args:
+        model: the root module (for parameter and buffer names).
+        compute_loss: runs the step's forward and returns the loss.
+        modules: ``(path, module)`` pairs to hook.
+        forward: record forward outputs.
+        backward: record gradients.
+
+    Returns:
+        The recorder and the replayed loss (detached), or ``None`` if the step returned no loss.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
+    recorder = Recorder(modules, params, forward=forward, backward=backward)
+    loss: Tensor | None = None
+    try:
+        with stance or contextlib.nullcontext(), recorder, torch.enable_grad(), warnings.catch_warnings():
+            # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
+            warnings.simplefilter("ignore", UserWarning)
+            loss = compute_loss()
+            if backward and loss is not None and loss.requires_grad:
+                torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+    return recorder, None if loss is None else loss.detach()
+
+
+def describe(record: _Record, named: dict[str, nn.Module], phase: str) -> dict[str, Any]:
+    """Turn a record into the report fields of a module (or parameter) origin.
+
+    Args:
+        record: the origin found by a :class:`Recorder`.
+        named: ``dict(model.named_modules())``.
+        phase: ``"forward"`` or ``"backward"``.
+    """
+    if record.kind == "param":
+        path, module = _owner(record.name, named)
+        parameter: str | None = record.name
+    else:
+        path, module, parameter = record.name, record.module, None
+    stats = record.inputs.tolist()
+    out = record.outputs.tolist()
+    return {
+        "phase": phase,
+        "module": path,
+        "module_type": type(module).__name__ if module is not None else "-",
+        "op_class": classify_module(module) if module is not None else "other",
+        "parameter": parameter,
+        "dtype": record.dtype,
+        "nan": int(out[1]),
+        "inf": int(out[2]),
+        "input_min": stats[3],
+        "input_max": stats[4],
+        "input_absmax": stats[5],
+    }

@@ -1,0 +1,133 @@
+"""TensorBoard plumbing: find the run's ``SummaryWriter`` and write scalars, markdown tables and text (rank zero)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+__all__ = ["TensorBoardWriter", "markdown_table", "run_log_dir"]
+
+
+def run_log_dir(trainer: pl.Trainer) -> str:
+    """The directory this run logs to: the TensorBoard logger's ``log_dir``, else ``trainer.log_dir`` or root dir.
+
+    Args:
+        trainer: the running trainer.
+
+    Example:
+        >>> run_log_dir(pl.Trainer(logger=False, default_root_dir="/tmp/x"))
+        '/tmp/x'
+    """
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.log_dir
+    return trainer.log_dir or trainer.default_root_dir
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Render a markdown table, as TensorBoard's text plugin shows it.
+
+    Args:
+        headers: column names.
+        rows: one sequence of cells per row; floats are shown with 4 significant digits.
+
+    Example:
+        >>> print(markdown_table(["a", "b"], [[1, 0.5]]))
+        | a | b |
+        |---|---|
+        | 1 | 0.5 |
+    """
+
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class TensorBoardWriter:
+    """Write opkit's scalars and tables to the Trainer's TensorBoard writer, or to ``<log dir>/opkit``.
+
+    Only global rank zero writes; on other ranks every method is a no-op.
+
+    Args:
+        trainer: the running trainer.
+
+    Example:
+        >>> writer = TensorBoardWriter(trainer)  # doctest: +SKIP
+        >>> writer.scalar("opkit/nan/events", 1, step=10)  # doctest: +SKIP
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._writer: Any = None
+        self._owned = False
+        self.log_dir = run_log_dir(trainer)
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                self._writer = logger.experiment
+                return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = os.path.join(self.log_dir, "opkit")
+        self._writer = SummaryWriter(log_dir=self.log_dir)
+        self._owned = True
+
+    @property
+    def active(self) -> bool:
+        """Whether this process writes (global rank zero)."""
+        return self._writer is not None
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        """Write one scalar.
+
+        Args:
+            tag: the full tag, ``opkit/<area>/...``.
+            value: a Python number (never a tensor: converting one is a host sync the caller must own).
+            step: the global step.
+        """
+        if self._writer is not None:
+            self._writer.add_scalar(tag, float(value), global_step=step)
+
+    def text(self, tag: str, markdown: str, step: int) -> None:
+        """Write markdown text (a table or a report) for TensorBoard's text plugin.
+
+        Args:
+            tag: the full tag.
+            markdown: the text.
+            step: the global step.
+        """
+        if self._writer is not None:
+            self._writer.add_text(tag, markdown, global_step=step)
+
+    def table(self, tag: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """Write a markdown table.
+
+        Args:
+            tag: the full tag.
+            headers: column names.
+            rows: rows of cells.
+            step: the global step.
+        """
+        self.text(tag, markdown_table(headers, rows), step)
+
+    def flush(self) -> None:
+        """Flush pending events to disk."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush, and close the writer if opkit created it (a logger's writer belongs to the logger)."""
+        if self._writer is None:
+            return
+        self._writer.flush()
+        if self._owned:
+            self._writer.close()
+        self._writer = None

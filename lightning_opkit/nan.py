@@ -1,0 +1,362 @@
+"""NaNDetector: find the first non-finite value in forward, backward or loss, name its module, lose nothing."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_opkit._modules import resolve_modules
+from lightning_opkit._nan_locate import describe, replay
+from lightning_opkit._patch import Patches
+from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+
+__all__ = ["NaNDetector", "NonFiniteError"]
+
+_ACTIONS = ("raise", "skip", "warn", "stop")
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite value was found; ``.report`` holds the first report as a dict.
+
+    Args:
+        report: the report (step, phase, module, module type, op class, dtype, NaN/Inf counts, input range).
+        reason: an optional lead sentence (for example, why a skip turned into a raise).
+    """
+
+    def __init__(self, report: dict[str, Any], reason: str = "") -> None:
+        self.report = report
+        super().__init__((reason + " " if reason else "") + format_report(report))
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """One readable paragraph for a NaN report.
+
+    Args:
+        report: a report from :attr:`NaNDetector.events`.
+
+    Example:
+        >>> format_report({"step": 3, "phase": "loss", "module": "", "module_type": "Net", "nan": 1, "inf": 0})
+        'Non-finite loss at global step 3 (the loss of Net): 1 NaN and 0 Inf values.'
+    """
+    phase, step = report["phase"], report["step"]
+    where = {"forward": "output", "backward": "gradient", "loss": "loss"}.get(phase, phase)
+    if report.get("module") is None:
+        return (
+            f"Non-finite {where} at global step {step}, seen by the per-step check but not reproduced when the step"
+            f" was replayed with per-module hooks, so no module can be named (is the model non-deterministic?)."
+        )
+    if phase == "loss":
+        return (
+            f"Non-finite loss at global step {step} (the loss of {report['module_type']}): "
+            f"{report['nan']} NaN and {report['inf']} Inf values."
+        )
+    subject = f"module '{report['module']}' ({report['module_type']}, op class {report['op_class']})"
+    if report.get("parameter"):
+        subject = f"the gradient of parameter '{report['parameter']}' of " + subject
+    made = "its output" if phase == "forward" else "the gradient of its inputs"
+    text = (
+        f"Non-finite {where} at global step {step}, first produced in the {phase} pass by {subject}"
+        f" in dtype {report['dtype']}: {made} had {report['nan']} NaN and {report['inf']} Inf values"
+    )
+    if phase == "forward" or not report.get("parameter"):
+        rng = f"min {report['input_min']:.4g}, max {report['input_max']:.4g}, abs-max {report['input_absmax']:.4g}"
+        text += f" while its {'inputs' if phase == 'forward' else 'output gradients'} were finite ({rng})"
+    return text + "."
+
+
+@dataclass
+class _MicroBatch:
+    batch: Any
+    batch_idx: int
+    rng: tuple[Tensor, Any]
+    loss: Tensor | None = None
+
+
+def _rng_state() -> tuple[Tensor, Any]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, Any]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+class NaNDetector(Callback):
+    """Detect NaN/Inf in the loss, the forward pass and the backward pass; name the first module that produced it.
+
+    Every checked step costs one fused check of the loss and all gradients and one host sync, before the optimizer
+    step. Only when that check fails is the step's batch replayed (same weights, same RNG state) with hooks on every
+    module, to name the module whose output went non-finite from finite inputs (or whose backward produced a
+    non-finite input-gradient, or the parameter whose gradient is non-finite).
+
+    Args:
+        action: ``"raise"`` a :class:`NonFiniteError`; ``"skip"`` the optimizer step (weights, optimizer state and
+            step-interval LR schedulers untouched) and go on, raising after ``max_consecutive_skips`` skips in a row;
+            ``"warn"``: like skip, with a warning each time and no limit; ``"stop"``: skip the step, then end
+            training gracefully.
+        check_forward: name modules whose forward output went non-finite.
+        check_backward: check gradients, and name the module or parameter whose gradient went non-finite.
+        check_loss: check the loss.
+        every_n_steps: check one optimizer step in this many (1 = every step).
+        modules: globs over ``pl_module.named_modules()`` names to localize among; ``None`` = every module.
+        max_consecutive_skips: with ``action="skip"``, raise once this many steps in a row were skipped.
+
+    Example:
+        >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        action: Literal["raise", "skip", "warn", "stop"] = "raise",
+        check_forward: bool = True,
+        check_backward: bool = True,
+        check_loss: bool = True,
+        every_n_steps: int = 1,
+        modules: Optional[list[str]] = None,
+        max_consecutive_skips: int = 10,
+    ) -> None:
+        if action not in _ACTIONS:
+            raise ValueError(f"Expected `action` to be one of {list(_ACTIONS)}, but got {action!r}")
+        for name, value in (("check_forward", check_forward), ("check_backward", check_backward),
+                            ("check_loss", check_loss)):
+            if not isinstance(value, bool):
+                raise ValueError(f"Expected `{name}` to be a bool, but got {value!r}")
+        if not (check_forward or check_backward or check_loss):
+            raise ValueError("At least one of `check_forward`, `check_backward`, `check_loss` must be True")
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise ValueError(f"Expected `every_n_steps` to be an int >= 1, but got {every_n_steps!r}")
+        if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
+            raise ValueError(f"Expected `max_consecutive_skips` to be an int >= 1, but got {max_consecutive_skips!r}")
+        if modules is not None and (not isinstance(modules, (list, tuple)) or not all(
+                isinstance(m, str) for m in modules)):
+            raise ValueError(f"Expected `modules` to be a list of glob strings or None, but got {modules!r}")
+        self.action = action
+        self.check_forward = check_forward
+        self.check_backward = check_backward
+        self.check_loss = check_loss
+        self.every_n_steps = every_n_steps
+        self.modules = list(modules) if modules is not None else None
+        self.max_consecutive_skips = max_consecutive_skips
+
+        self.events: list[dict[str, Any]] = []
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self._hooked: list[tuple[str, torch.nn.Module]] = []
+        self._pending: list[_MicroBatch] = []
+        self._checking = False
+        self._skipped_this_batch = False
+        self._patches = Patches()
+        self._writer: TensorBoardWriter | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(action=self.action, every_n_steps=self.every_n_steps)
+
+    # lifecycle
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._detach(pl_module)
+        self._hooked = (
+            resolve_modules(pl_module, self.modules) if self.modules is not None else list(pl_module.named_modules())
+        )
+        self._writer = TensorBoardWriter(trainer)
+        original = pl_module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            # A skipped optimizer step must not advance a per-step schedule (AMP's silent skip does).
+            interval = next((c.interval for c in trainer.lr_scheduler_configs if c.scheduler is scheduler), "step")
+            if self._skipped_this_batch and interval == "step":
+                return None
+            return original(scheduler, metric)
+
+        self._patches.set(pl_module, "lr_scheduler_step", lr_scheduler_step)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach(pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach(pl_module)
+
+    def _detach(self, pl_module: pl.LightningModule) -> None:
+        self._patches.restore()
+        self._pending.clear()
+        self._checking = False
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"events": list(self.events), "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.events = list(state_dict.get("events", []))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+
+    # the cheap per-step path
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._skipped_this_batch = False
+        self._checking = trainer.global_step % self.every_n_steps == 0
+        if self._checking:
+            # References only: the batch and RNG state are what a replay needs to reproduce this micro-batch.
+            self._pending.append(_MicroBatch(batch, batch_idx, _rng_state()))
+        else:
+            self._pending.clear()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._checking and self._pending:
+            self._pending[-1].loss = loss.detach()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if not self._checking:
+            return
+        pending, self._pending = self._pending, []
+        losses = [m.loss for m in pending if m.loss is not None]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [g for g in grads if not g.is_sparse]
+        device = losses[0].device if losses else grads[0].device if grads else pl_module.device
+        flags = torch.zeros(2, device=device)
+        if losses:
+            flags[0] = (~torch.stack([loss.float().reshape(()) for loss in losses]).isfinite()).any()
+        if self.check_backward and grads:
+            norms = torch._foreach_norm(grads)
+            if len({n.dtype for n in norms}) > 1:
+                norms = [n.float() for n in norms]
+            flags[1] = (~torch.stack(norms).isfinite()).any()
+        if dist.is_available() and dist.is_initialized():
+            # Every rank takes the same decision at the same step, so none waits in a collective alone.
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        loss_bad, grad_bad = (v > 0 for v in flags.tolist())  # the one host sync of a checked step
+        if not (loss_bad or grad_bad):
+            self.consecutive_skips = 0
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and grad_bad and not loss_bad:
+            # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale.
+            self._skipped_this_batch = True
+            return
+        report = self._report(trainer, pl_module, pending, loss_bad)
+        self._act(trainer, optimizer, report)
+
+    # the slow path: localize, report, act
+
+    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
+                loss_bad: bool) -> dict[str, Any]:
+        named = dict(pl_module.named_modules())
+        found: dict[str, Any] | None = None
+        batch_idx = pending[-1].batch_idx if pending else -1
+        resume_rng = _rng_state()
+        try:
+            for micro in pending:
+                found = self._replay_one(trainer, pl_module, micro, named)
+                if found is not None:
+                    batch_idx = micro.batch_idx
+                    break
+        finally:
+            _set_rng_state(resume_rng)
+        if found is None:
+            found = {"phase": "loss" if loss_bad else "backward", "module": None, "module_type": "-",
+                     "op_class": "-", "parameter": None, "dtype": "-", "nan": 0, "inf": 0}
+        report = {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                  "batch_idx": batch_idx, "rank": trainer.global_rank, **found,
+                  "action": self.action}
+        if dist.is_available() and dist.is_initialized():
+            # The rank that reproduced it names the module; every rank reports the same thing.
+            reports: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, report)
+            report = next((r for r in reports if r.get("module") is not None), reports[0])
+        return report
+
+    def _replay_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
+                    named: dict[str, torch.nn.Module]) -> dict[str, Any] | None:
+        _set_rng_state(micro.rng)
+        quiet = Patches()
+
+        def compute_loss() -> Tensor | None:
+            # The replay must not log twice: silence self.log for its duration.
+            quiet.set(pl_module, "log", lambda *args, **kwargs: None)
+            quiet.set(pl_module, "log_dict", lambda *args, **kwargs: None)
+            with trainer.precision_plugin.train_step_context():
+                out = pl_module.training_step(micro.batch, micro.batch_idx)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            return loss if isinstance(loss, Tensor) else None
+
+        try:
+            recorder, loss = replay(pl_module, compute_loss, modules=self._hooked, forward=self.check_forward,
+                                    backward=self.check_backward)
+        except Exception as err:  # a hook the model does not allow (in-place on a hooked output, say)
+            warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {err}",
+                          stacklevel=2)
+            return None
+        finally:
+            quiet.restore()
+        origin = recorder.forward_origin() if self.check_forward else None
+        if origin is not None:
+            return describe(origin, named, "forward")
+        if loss is not None and not bool(loss.float().isfinite().all()):
+            if self.check_loss or not self.check_forward:
+                nan, inf = int(loss.isnan().sum()), int(loss.isinf().sum())
+                return {"phase": "loss", "module": "", "module_type": type(pl_module).__name__,
+                        "op_class": "loss", "parameter": None, "dtype": str(loss.dtype).replace("torch.", ""),
+                        "nan": nan, "inf": inf}
+        origin = recorder.backward_origin() if self.check_backward else None
+        return describe(origin, named, "backward") if origin is not None else None
+
+    def _act(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, report: dict[str, Any]) -> None:
+        self.events.append(report)
+        if self.action == "raise":
+            self._log(trainer, report)
+            raise NonFiniteError(report)
+        if self.action == "skip" and self.consecutive_skips + 1 > self.max_consecutive_skips:
+            self._log(trainer, report)
+            raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
+                                                f" (max_consecutive_skips={self.max_consecutive_skips}).")
+        # Dropping the gradients makes the optimizer skip every parameter: no weight or optimizer state changes.
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        self._skipped_this_batch = True
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self._log(trainer, report)
+        if self.action == "warn":
+            warnings.warn(format_report(report) + " The optimizer step was skipped.", stacklevel=2)
+        elif self.action == "stop":
+            trainer.should_stop = True
+
+    def _log(self, trainer: pl.Trainer, report: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        step = trainer.global_step
+        self._writer.scalar("opkit/nan/events", len(self.events), step)
+        self._writer.scalar("opkit/nan/skipped_steps", self.skipped_steps, step)
+        self._writer.scalar("opkit/nan/consecutive_skips", self.consecutive_skips, step)
+        rows = [[key, "-" if value is None else value] for key, value in report.items()]
+        self._writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows),
+                          step)
+        self._writer.flush()

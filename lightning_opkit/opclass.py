@@ -1,0 +1,260 @@
+"""The operator-class taxonomy shared by every opkit callback.
+
+One table maps three views of the same operator to one class:
+
+* Python-level torch functions and Tensor methods, as a ``TorchFunctionMode`` sees them
+  (``F.linear``, ``torch.matmul``, ``Tensor.__matmul__``, ``F.softmax``, ...);
+* ``nn.Module`` types (``nn.Linear``, ``nn.LayerNorm``, ...);
+* profiler event names (``aten::addmm``, ``aten::_softmax``, ``MmBackward0``, ...).
+
+Anything unknown is ``"other"``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "OP_CLASSES",
+    "classify_function",
+    "classify_module",
+    "classify_name",
+    "classify_profiler_event",
+    "is_inplace",
+]
+
+OP_CLASSES: tuple[str, ...] = (
+    "matmul",
+    "conv",
+    "attention",
+    "norm",
+    "softmax",
+    "activation",
+    "loss",
+    "reduction",
+    "pointwise",
+    "embedding",
+    "other",
+)
+
+_NAMES: dict[str, tuple[str, ...]] = {
+    "matmul": (
+        "linear", "addmm", "mm", "bmm", "matmul", "einsum", "baddbmm", "addbmm", "addmv", "mv", "dot",
+        "vdot", "inner", "outer", "tensordot", "bilinear", "chain_matmul", "multi_dot", "_addmm_activation",
+        "mkldnn_linear", "_mkldnn_linear", "_int_mm", "_scaled_mm", "rmatmul",
+    ),
+    "conv": (
+        "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "mkldnn_convolution", "cudnn_convolution", "slow_conv2d_forward",
+        "_slow_conv2d_forward", "slow_conv3d_forward", "thnn_conv2d", "conv_depthwise2d",
+        "_conv_depthwise2d", "convolution_overrideable", "conv_tbc", "slow_conv_transpose2d",
+    ),
+    "attention": (
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math", "_flash_attention_forward",
+        "_efficient_attention_forward", "_fused_sdp_choice", "multi_head_attention_forward",
+        "_native_multi_head_attention", "flex_attention",
+    ),
+    "norm": (
+        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm", "native_batch_norm",
+        "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_batch_norm_impl_index",
+        "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_with_update", "_batch_norm_no_update",
+        "instance_norm", "rms_norm", "_fused_rms_norm", "local_response_norm", "normalize", "weight_norm",
+        "_weight_norm", "_weight_norm_interface",
+    ),
+    "softmax": ("softmax", "_softmax", "log_softmax", "_log_softmax", "softmin", "_safe_softmax", "gumbel_softmax"),
+    "activation": (
+        "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "selu", "celu", "mish",
+        "hardswish", "hardsigmoid", "hardtanh", "softplus", "softsign", "prelu", "_prelu_kernel", "rrelu",
+        "glu", "logsigmoid", "log_sigmoid", "log_sigmoid_forward", "threshold", "tanhshrink", "softshrink",
+        "hardshrink", "swish",
+    ),
+    "loss": (
+        "cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "nll_loss_forward",
+        "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "gaussian_nll_loss", "ctc_loss",
+        "_ctc_loss", "margin_ranking_loss", "hinge_embedding_loss", "multilabel_margin_loss",
+        "soft_margin_loss", "multilabel_soft_margin_loss", "cosine_embedding_loss", "multi_margin_loss",
+        "triplet_margin_loss", "triplet_margin_with_distance_loss",
+    ),
+    "reduction": (
+        "sum", "mean", "nansum", "nanmean", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm",
+        "vector_norm", "matrix_norm", "frobenius_norm", "amax", "amin", "aminmax", "max", "min", "prod",
+        "logsumexp", "cumsum", "cumprod", "logcumsumexp", "argmax", "argmin", "median", "nanmedian", "mode",
+        "all", "any", "count_nonzero", "_foreach_norm",
+    ),
+    "pointwise": (
+        "add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide", "floor_divide",
+        "truediv", "floordiv", "rtruediv", "rfloordiv", "radd", "rmul", "remainder", "fmod", "mod", "pow", "rpow",
+        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "neg", "negative", "abs",
+        "square", "reciprocal", "sign", "clamp", "clip", "clamp_min", "clamp_max", "where", "maximum",
+        "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "sin", "cos", "tan", "erf", "erfc", "erfinv",
+        "floor", "ceil", "round", "trunc", "frac", "masked_fill", "dropout", "native_dropout", "feature_dropout",
+        "alpha_dropout", "bernoulli", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+        "logical_not", "isfinite", "isnan", "isinf", "nan_to_num", "xlogy", "hypot", "atan2", "lgamma",
+        "digamma", "mvlgamma", "heaviside", "copysign", "invert", "and", "or", "xor",
+    ),
+    "embedding": ("embedding", "embedding_dense", "embedding_bag", "_embedding_bag", "embedding_renorm", "one_hot"),
+}
+
+_NAME_TO_CLASS: dict[str, str] = {name: cls for cls, names in _NAMES.items() for name in names}
+
+_MODULE_TYPES: tuple[tuple[tuple[type[nn.Module], ...], str], ...] = (
+    ((nn.Linear, nn.Bilinear, nn.LazyLinear), "matmul"),
+    ((nn.modules.conv._ConvNd,), "conv"),
+    ((nn.MultiheadAttention,), "attention"),
+    (
+        (
+            nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm,
+            *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+        ),
+        "norm",
+    ),
+    ((nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d), "softmax"),
+    (
+        (
+            nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+            nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.PReLU, nn.RReLU,
+            nn.GLU, nn.LogSigmoid, nn.Threshold, nn.Tanhshrink, nn.Softshrink, nn.Hardshrink,
+        ),
+        "activation",
+    ),
+    ((nn.modules.loss._Loss,), "loss"),
+    ((nn.Embedding, nn.EmbeddingBag), "embedding"),
+    ((nn.modules.dropout._DropoutNd,), "pointwise"),
+)
+
+# Autograd nodes in profiler traces are CamelCase with a version suffix: ``NativeLayerNormBackward0``.
+_AUTOGRAD_NODE = re.compile(r"^(?:autograd::engine::evaluate_function: )?([A-Za-z0-9]+?)Backward\d*$")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_SUFFIXES = ("_backward_data", "_backward_input", "_backward_weight", "_backward", "_forward", "_out")
+
+
+def _normalize(name: str) -> str:
+    name = name.strip()
+    if "::" in name:
+        name = name.rsplit("::", 1)[1]
+    name = name.split(".", 1)[0]  # overload, as in ``addmm.default``
+    dunder = name.startswith("__") and name.endswith("__")
+    name = name.strip("_") if dunder else name
+    if name.startswith("i") and dunder and name[1:] in _NAME_TO_CLASS:
+        name = name[1:]  # ``__iadd__`` is in-place ``add``
+    if name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    return name
+
+
+def classify_name(name: str) -> str:
+    """Classify an operator by name: a torch function, a Tensor method, an aten op or an autograd node.
+
+    Args:
+        name: for example ``"linear"``, ``"__matmul__"``, ``"aten::native_layer_norm"``, ``"MmBackward0"``.
+
+    Example:
+        >>> classify_name("aten::_softmax"), classify_name("NativeLayerNormBackward0")
+        ('softmax', 'norm')
+    """
+    node = _AUTOGRAD_NODE.match(name.strip())
+    if node:
+        name = _CAMEL.sub("_", node.group(1)).lower()
+    base = _normalize(name)
+    cls = _NAME_TO_CLASS.get(base) or _NAME_TO_CLASS.get("_" + base)
+    if cls is not None:
+        return cls
+    for suffix in _SUFFIXES:
+        if base.endswith(suffix):
+            cls = _NAME_TO_CLASS.get(base[: -len(suffix)])
+            if cls is not None:
+                return cls
+    if base.startswith("_foreach_"):
+        return _NAME_TO_CLASS.get(base[len("_foreach_") :], "other")
+    return "other"
+
+
+_FUNCTION_CACHE: dict[Any, str] = {}
+
+
+def _function_name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", None)
+    if name is None or name == "__get__":
+        # Properties such as ``Tensor.shape`` arrive as their ``__get__``: never compute.
+        return ""
+    return name
+
+
+def classify_function(func: Callable[..., Any]) -> str:
+    """Classify a callable as a ``TorchFunctionMode`` receives it (``F.linear``, ``Tensor.__matmul__``, ...).
+
+    Results are cached per function object, so the lookup on a hot path is one dict access.
+
+    Args:
+        func: the ``func`` argument of ``__torch_function__``.
+
+    Example:
+        >>> import torch
+        >>> classify_function(torch.nn.functional.gelu), classify_function(torch.Tensor.__matmul__)
+        ('activation', 'matmul')
+    """
+    try:
+        return _FUNCTION_CACHE[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callables
+        return classify_name(_function_name(func))
+    cls = classify_name(_function_name(func)) if _function_name(func) else "other"
+    _FUNCTION_CACHE[func] = cls
+    return cls
+
+
+def classify_module(module: nn.Module) -> str:
+    """Classify an ``nn.Module`` by its type; containers and user modules are ``"other"``.
+
+    Args:
+        module: any module.
+
+    Example:
+        >>> from torch import nn
+        >>> classify_module(nn.LayerNorm(4)), classify_module(nn.Sequential())
+        ('norm', 'other')
+    """
+    for types, cls in _MODULE_TYPES:
+        if isinstance(module, types):
+            return cls
+    return "other"
+
+
+def classify_profiler_event(name: str) -> str:
+    """Classify a profiler event name (``aten::addmm``, ``MmBackward0``); record-function spans are ``"other"``.
+
+    Args:
+        name: the event's ``key`` / ``name`` as in ``prof.key_averages()`` or a Chrome trace.
+
+    Example:
+        >>> classify_profiler_event("aten::convolution_backward")
+        'conv'
+    """
+    if name.startswith("ProfilerStep#") or name.startswith("Optimizer."):
+        return "other"
+    return classify_name(name)
+
+
+def is_inplace(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``), so its inputs must not be cast.
+
+    Args:
+        func: a torch function or Tensor method.
+
+    Example:
+        >>> import torch
+        >>> is_inplace(torch.Tensor.add_), is_inplace(torch.Tensor.add)
+        (True, False)
+    """
+    name = getattr(func, "__name__", "") or ""
+    if name.startswith("__") and name.endswith("__"):
+        return name.startswith("__i") and name[3:-2] in _NAME_TO_CLASS
+    return name.endswith("_") or name in ("__setitem__", "copy_")

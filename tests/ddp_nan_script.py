@@ -1,0 +1,41 @@
+"""Run by test_nan.py: 2-process CPU DDP (gloo) where only rank 1 produces a NaN at step 3."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import lightning.pytorch as pl  # noqa: E402
+from helpers import TinyNet, make_loader  # noqa: E402
+
+from lightning_opkit import NaNDetector, NonFiniteError  # noqa: E402
+
+
+class RankPoison(TinyNet):
+    def forward(self, x):
+        self.body[1].steps = {3} if self.global_rank == 1 else set()
+        return super().forward(x)
+
+
+if __name__ == "__main__":
+    out, action = sys.argv[1], sys.argv[2]
+    detector = NaNDetector(action=action)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False, callbacks=[detector],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out)
+    model = RankPoison()
+    try:
+        trainer.fit(model, make_loader(n=128))
+        outcome = "finished"
+    except NonFiniteError:
+        outcome = "raised"
+    result = {
+        "outcome": outcome,
+        "events": [[e["step"], e["phase"], e["module"], e["rank"]] for e in detector.events],
+        "weights": [round(float(v), 6) for v in model.head.weight.detach().flatten()[:8]],
+        "global_step": trainer.global_step,
+    }
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,38 @@
+import os
+import sys
+
+import yaml
+from helpers import read_events
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+from examples.train import main  # noqa: E402
+from examples.vit import DigitsDataModule, TinyViT, load_digits_tensors  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "config.yaml")
+
+
+def test_digits_ship_with_the_package():
+    images, labels = load_digits_tensors()
+    assert images.shape == (1797, 1, 8, 8) and 0.0 <= images.min() and images.max() <= 1.0
+    assert set(labels.tolist()) == set(range(10))
+
+
+def test_vit_has_every_layer_kind():
+    kinds = {type(m).__name__ for m in TinyViT().modules()}
+    assert {"Conv2d", "LayerNorm", "Linear", "GELU", "Attention"} <= kinds
+
+
+def test_config_trains_with_every_callback_and_logs(tmp_path):
+    with open(CONFIG) as f:
+        config = yaml.safe_load(f)
+    names = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
+    assert names == ["PrecisionPolicy", "NaNDetector", "ProfilerWindows", "TorchCompile"]
+    cli = main(["fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_epochs", "1",
+                "--trainer.limit_train_batches", "12", "--trainer.limit_val_batches", "2",
+                "--trainer.callbacks+=lightning_opkit.ProfilerWindows", "--trainer.callbacks.every_n_steps=5"])
+    assert cli.trainer.global_step == 12
+    assert [type(c).__name__ for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")][:4] \
+        == names
+    scalars, _ = read_events(str(tmp_path))
+    assert "train/loss" in scalars and any(tag.startswith("opkit/") for tag in scalars)
+    assert DigitsDataModule().batch_size == 64

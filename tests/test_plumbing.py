@@ -1,0 +1,69 @@
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import TinyNet, make_loader, read_events
+from torch import nn
+
+from examples.vit import TinyViT
+from lightning_opkit._modules import match_rule, resolve_modules
+from lightning_opkit._patch import Patches
+from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+
+
+class _Writes(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        w = TensorBoardWriter(trainer)
+        w.scalar("opkit/test/value", batch_idx * 1.5, trainer.global_step)
+        w.table("opkit/test/table", ["a", "b"], [[1, 2.5]], trainer.global_step)
+        w.close()
+        self.log_dir = w.log_dir
+
+
+def test_writes_to_the_trainers_tensorboard_logger(tmp_path):
+    cb = _Writes()
+    pl.Trainer(default_root_dir=tmp_path, max_steps=3, callbacks=[cb], enable_progress_bar=False,
+               enable_checkpointing=False, logger=pl.loggers.TensorBoardLogger(tmp_path)).fit(TinyNet(), make_loader())
+    assert cb.log_dir == os.path.join(tmp_path, "lightning_logs", "version_0")
+    scalars, texts = read_events(cb.log_dir)
+    assert scalars["opkit/test/value"] == [(1, 0.0), (2, 1.5), (3, 3.0)]
+    assert "| 1 | 2.5 |" in texts["opkit/test/table"][0][1]
+
+
+def test_without_a_logger_writes_under_the_root_dir(tmp_path):
+    cb = _Writes()
+    pl.Trainer(default_root_dir=tmp_path, max_steps=2, callbacks=[cb], enable_progress_bar=False,
+               enable_checkpointing=False, logger=False).fit(TinyNet(), make_loader())
+    assert cb.log_dir == os.path.join(tmp_path, "opkit")
+    assert read_events(cb.log_dir)[0]["opkit/test/value"] == [(1, 0.0), (2, 1.5)]
+
+
+def test_markdown_table_escapes_pipes():
+    assert markdown_table(["x"], [["a|b"]]).splitlines()[-1] == "| a\\|b |"
+
+
+def test_resolve_modules_globs_and_close_names():
+    model = TinyViT(depth=3)
+    names = [n for n, _ in resolve_modules(model, ["blocks.*.attn"])]
+    assert names == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    with pytest.raises(ValueError, match=r"'blocks.\*.atn'.*blocks.0.attn"):
+        resolve_modules(model, ["blocks.*.atn"])
+
+
+def test_match_rule_most_specific_wins():
+    rules = {"blocks.*": "fp32", "blocks.*.attn": "bf16"}
+    assert match_rule("blocks.1.attn", rules) == "bf16"
+    assert match_rule("blocks.1.mlp", rules) == "fp32"
+    assert match_rule("head", rules) is None
+
+
+def test_patches_restore_idempotently():
+    module = nn.Linear(2, 2)
+    patches = Patches()
+    patches.set(module, "forward", lambda x: x)
+    patches.hold(module.register_forward_hook(lambda *a: None))
+    assert torch.equal(module(torch.ones(1, 2)), torch.ones(1, 2))
+    patches.restore()
+    patches.restore()
+    assert "forward" not in vars(module) and not module._forward_hooks
