@@ -2,11 +2,13 @@
 
 from lightning_opkit.nan import NaNDetector, NonFiniteError
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
+from lightning_opkit.precision import PrecisionPolicy
 
 __all__ = [
     "OP_CLASSES",
     "NaNDetector",
     "NonFiniteError",
+    "PrecisionPolicy",
     "classify_function",
     "classify_module",
     "classify_name",

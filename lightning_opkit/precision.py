@@ -1,0 +1,292 @@
+"""PrecisionPolicy: decide the dtype of each operator class (and each module), and show what actually ran."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from typing_extensions import override
+
+from lightning_opkit._modules import match_rule, resolve_modules
+from lightning_opkit._patch import Patches
+from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.opclass import OP_CLASSES, classify_function, is_inplace
+
+__all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                         "keep": None}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items() if v is not None}
+
+#: GEMMs and GELU-like activations on Tensor Cores in bf16; variance, exponent and large-sum ops in fp32.
+DEFAULT_RULES: dict[str, str] = {
+    "matmul": "bf16", "conv": "bf16", "attention": "bf16", "activation": "bf16",
+    "norm": "fp32", "softmax": "fp32", "loss": "fp32", "reduction": "fp32",
+}
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_WARN_BITS = 4.0
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+class _Census:
+    """Per (class, dtype): calls and the running max |output|, kept on the device until the step ends."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, torch.dtype], int] = {}
+        self.absmax: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def record(self, cls: str, out: Any) -> None:
+        tensors = out if isinstance(out, (list, tuple)) else (out,)
+        for t in tensors:
+            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
+                key = (cls, t.dtype)
+                self.calls[key] = self.calls.get(key, 0) + 1
+                peak = t.detach().abs().amax().float()
+                prev = self.absmax.get(key)
+                self.absmax[key] = peak if prev is None else torch.maximum(prev, peak)
+
+    def rows(self) -> list[tuple[str, str, int, float, float]]:
+        """``(class, dtype, calls, max|out|, headroom bits)`` rows; one host sync for all of them."""
+        keys = list(self.calls)
+        if not keys:
+            return []
+        peaks = torch.stack([self.absmax[k] for k in keys]).tolist()
+        rows = []
+        for (cls, dtype), peak in zip(keys, peaks):
+            fmax = torch.finfo(dtype).max
+            headroom = math.inf if peak == 0 else (-math.inf if not math.isfinite(peak) else math.log2(fmax / peak))
+            rows.append((cls, _DTYPE_NAMES.get(dtype, str(dtype)), self.calls[(cls, dtype)], peak, headroom))
+        return rows
+
+
+class _PolicyMode(TorchFunctionMode):
+    def __init__(self, policy: PrecisionPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        policy = self.policy
+        info = policy._funcs.get(func)
+        if info is None:
+            info = policy._funcs[func] = (classify_function(func), is_inplace(func))
+        cls, inplace = info
+        if cls == "other":
+            return func(*args, **kwargs)
+        stack = policy._module_stack
+        dtype = stack[-1] if stack else policy._class_dtypes[cls]
+        if dtype is None or inplace or "out" in kwargs:
+            out = func(*args, **kwargs)
+        else:
+            args = tuple(_cast(a, dtype) for a in args)
+            if kwargs:
+                kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+            if policy._autocast_devices:
+                # The policy, not autocast, decides: autocast would recast the inputs we just cast.
+                with torch.autocast(policy._autocast_devices[0], enabled=False):
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+        if policy._census is not None:
+            policy._census.record(cls, out)
+        return out
+
+
+class PrecisionPolicy(Callback):
+    """Run each operator class (matmul, norm, softmax, ...) in the dtype a policy gives it, and census what ran.
+
+    A ``TorchFunctionMode`` entered around every training / validation / test / predict step sees each torch call,
+    functional ones inside user code (``F.softmax``, ``x @ w``) included, casts its floating inputs to the dtype of
+    its operator class (casts are differentiable; parameters keep their dtype) and runs it with autocast off, so the
+    policy decides, identically on CPU and CUDA. ``"keep"`` leaves an op alone (autocast, if on, still applies).
+
+    Args:
+        rules: op class -> ``"fp32"`` | ``"bf16"`` | ``"fp16"`` | ``"keep"``, over the built-in table
+            :data:`DEFAULT_RULES` (matmul, conv, attention, activation in bf16; norm, softmax, loss, reduction in
+            fp32). ``None`` = the built-in table.
+        default: dtype for classes that neither ``rules`` nor the built-in table names.
+        modules: module-path glob -> dtype for every op inside that module; wins over ``rules``; the innermost
+            (then most specific) matching module decides.
+        census_every_n_steps: every this many training steps, record calls, dtypes and headroom per class and log
+            them to TensorBoard; 0 = off.
+
+    Example:
+        >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, modules={"head": "fp32"})
+    """
+
+    def __init__(
+        self,
+        rules: Optional[dict[str, str]] = None,
+        default: str = "keep",
+        modules: Optional[dict[str, str]] = None,
+        census_every_n_steps: int = 100,
+    ) -> None:
+        valid = list(DTYPES)
+        if default not in DTYPES:
+            raise ValueError(f"Expected `default` to be one of {valid}, but got {default!r}")
+        for key, value in (rules or {}).items():
+            if key not in OP_CLASSES:
+                raise ValueError(f"`rules` names unknown op class {key!r}; valid classes are {list(OP_CLASSES)}")
+            if value not in DTYPES:
+                raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {valid}")
+        for key, value in (modules or {}).items():
+            if not isinstance(key, str) or value not in DTYPES:
+                raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
+        if not isinstance(census_every_n_steps, int) or census_every_n_steps < 0:
+            raise ValueError(f"Expected `census_every_n_steps` to be an int >= 0, but got {census_every_n_steps!r}")
+        self.rules = dict(rules) if rules is not None else None
+        self.default = default
+        self.modules = dict(modules or {})
+        self.census_every_n_steps = census_every_n_steps
+        table = {cls: DEFAULT_RULES.get(cls, default) for cls in OP_CLASSES}
+        table.update(self.rules or {})
+        table["other"] = "keep"  # shape and bookkeeping ops (view, size, ...) are never cast
+        self.table: dict[str, str] = table
+        #: the last census: ``{(class, dtype name): {"calls", "absmax", "headroom_bits"}}``
+        self.census: dict[tuple[str, str], dict[str, float]] = {}
+
+        self._class_dtypes = {cls: DTYPES[name] for cls, name in table.items()}
+        self._funcs: dict[Any, tuple[str, bool]] = {}
+        self._module_stack: list[torch.dtype | None] = []
+        self._autocast_devices: list[str] = []
+        self._census: _Census | None = None
+        self._census_step = False
+        self._mode = _PolicyMode(self)
+        self._patches = Patches()
+        self._writer: TensorBoardWriter | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(rules=self.rules, modules=self.modules)
+
+    def dtype_for(self, op_class: str, module: str | None = None) -> str:
+        """The dtype name an op of ``op_class`` runs in, inside the module at path ``module`` (if any).
+
+        Args:
+            op_class: one of :data:`~lightning_opkit.opclass.OP_CLASSES`.
+            module: a module path, or ``None`` for code outside any overridden module.
+        """
+        if op_class == "other":
+            return "keep"
+        override_ = match_rule(module, self.modules) if module is not None else None
+        return override_ if override_ is not None else self.table[op_class]
+
+    # lifecycle
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+        matched = resolve_modules(pl_module, self.modules, argument="modules") if self.modules else []
+        if stage == "fit":
+            self._check_fp16(trainer, matched)
+        for name, module in matched:
+            dtype = DTYPES[match_rule(name, self.modules)]  # type: ignore[index]
+            self._patches.hold(module.register_forward_pre_hook(self._push(dtype)))
+            self._patches.hold(module.register_forward_hook(self._pop, always_call=True))
+        for method in _STEP_METHODS:
+            original = getattr(pl_module, method, None)
+            if original is not None:
+                self._patches.set(pl_module, method, self._wrap(trainer, original, method == "training_step"))
+        self._writer = TensorBoardWriter(trainer)
+        rows = [[cls, self.table[cls]] for cls in OP_CLASSES] + [[f"module {k}", v] for k, v in self.modules.items()]
+        self._writer.table("opkit/precision/policy", ["op class / module", "dtype"], rows, trainer.global_step)
+
+    def _check_fp16(self, trainer: pl.Trainer, matched: list[tuple[str, torch.nn.Module]]) -> None:
+        users = [cls for cls, name in self.table.items() if name == "fp16"]
+        users += [f"module {name}" for name, _ in matched if match_rule(name, self.modules) == "fp16"]
+        if users and getattr(trainer.precision_plugin, "scaler", None) is None:
+            raise ValueError(
+                f"PrecisionPolicy runs {users} in fp16, which needs loss scaling, but Trainer(precision="
+                f"{trainer.precision!r}) has no GradScaler. Use Trainer(precision='16-mixed') (its GradScaler scales"
+                f" the loss), or run those in 'bf16', which has fp32's range."
+            )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        self._patches.restore()
+        self._module_stack.clear()
+        self._census = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _push(self, dtype: torch.dtype | None) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._module_stack.append(dtype)
+
+        return hook
+
+    def _pop(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def _wrap(self, trainer: pl.Trainer, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:
+        def run_step(*args: Any, **kwargs: Any) -> Any:
+            self._module_stack.clear()
+            self._autocast_devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+            if is_training and self._census_step and self._census is None:
+                self._census = _Census()
+            with self._mode:
+                return step(*args, **kwargs)
+
+        return run_step
+
+    # census
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        n = self.census_every_n_steps
+        self._census_step = n > 0 and trainer.global_step % n == 0
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        census, self._census = self._census, None
+        if census is None:
+            return
+        rows = census.rows()
+        self.census = {(cls, dt): {"calls": calls, "absmax": peak, "headroom_bits": head}
+                       for cls, dt, calls, peak, head in rows}
+        step = trainer.global_step
+        near = [(cls, dt, head) for cls, dt, _, _, head in rows if dt in ("fp16", "bf16") and head < _WARN_BITS]
+        for cls, dt, head in near:
+            rank_zero_warn(f"PrecisionPolicy: op class {cls!r} in {dt} is {head:.1f} bits from overflow at step {step}"
+                           f" (max |output| near finfo({dt}).max); consider running it in 'fp32'.")
+        if self._writer is None:
+            return
+        for cls in dict.fromkeys(r[0] for r in rows):
+            heads = [r[4] for r in rows if r[0] == cls]
+            self._writer.scalar(f"opkit/precision/{cls}/headroom_bits", min(heads), step)
+            self._writer.scalar(f"opkit/precision/{cls}/calls", sum(r[2] for r in rows if r[0] == cls), step)
+        table = markdown_table(
+            ["op class", "policy", "ran in", "calls", "max abs output", "headroom bits"],
+            [[cls, self.table[cls], dt, calls, peak, head] for cls, dt, calls, peak, head in rows],
+        )
+        if near:
+            table += "\n\n**Near overflow:** " + ", ".join(f"{c} in {d} ({h:.1f} bits)" for c, d, h in near)
+        self._writer.text("opkit/precision/census", table, step)
+        self._writer.flush()

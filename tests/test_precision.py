@@ -1,0 +1,220 @@
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_loader, read_events, snapshot, trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_opkit import PrecisionPolicy
+
+
+class Probe(pl.LightningModule):
+    """Records the dtype each kind of op produced, with functional calls inside user code."""
+
+    def __init__(self, scale: float = 1.0, fail_at: int = -1):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.inner = nn.Sequential(nn.Linear(16, 16))
+        self.w = nn.Parameter(torch.randn(16, 16) * 0.1)
+        self.head = nn.Linear(16, 4)
+        self.scale = scale
+        self.fail_at = fail_at
+        self.seen: dict[str, torch.dtype] = {}
+        self.peaks: dict[str, float] = {}
+
+    def forward(self, x):
+        h = self.body(x * self.scale)
+        n = F.layer_norm(h, (16,))
+        s = F.softmax(n, dim=-1)
+        a = F.gelu(s * 10)
+        m = a @ self.w
+        i = self.inner(m)
+        out = self.head(i)
+        self.seen.update(linear=h.dtype, norm=n.dtype, softmax=s.dtype, gelu=a.dtype, matmul=m.dtype,
+                         inner=i.dtype, head=out.dtype)
+        self.peaks["norm"] = max(self.peaks.get("norm", 0.0), float(n.detach().abs().max()))
+        return out
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at:
+            raise RuntimeError("boom")
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.seen["loss"] = loss.dtype
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+BF, FP = torch.bfloat16, torch.float32
+DEFAULT = dict(linear=BF, norm=FP, softmax=FP, gelu=BF, matmul=BF, inner=BF, head=BF, loss=FP)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
+def test_default_table_gives_the_same_dtypes_under_every_trainer_precision(tmp_path, precision):
+    model = Probe()
+    trainer(tmp_path, [PrecisionPolicy()], max_steps=2, precision=precision).fit(model, make_loader())
+    assert model.seen == DEFAULT
+    param_dtype = {"32-true": FP, "bf16-mixed": FP, "bf16-true": BF, "16-true": torch.float16}[precision]
+    assert {p.dtype for p in model.parameters()} == {param_dtype}  # parameters keep their own dtype
+
+
+def test_without_policy_autocast_decides(tmp_path):
+    model = Probe()
+    trainer(tmp_path, [], max_steps=1, precision="bf16-mixed").fit(model, make_loader())
+    assert model.seen["norm"] == BF and model.seen["softmax"] == BF  # CPU autocast keeps neither in fp32
+
+
+def test_class_rules_and_module_overrides(tmp_path):
+    model = Probe()
+    policy = PrecisionPolicy(rules={"matmul": "fp32", "norm": "bf16", "activation": "keep"},
+                             modules={"inner": "bf16", "head": "fp32"})
+    trainer(tmp_path, [policy], max_steps=1).fit(model, make_loader())
+    assert model.seen == dict(linear=FP, norm=BF, softmax=FP, gelu=FP, matmul=FP, inner=BF, head=FP, loss=FP)
+
+
+def test_innermost_module_rule_wins(tmp_path):
+    model = Probe()
+    policy = PrecisionPolicy(rules={"matmul": "fp32"}, modules={"inner": "fp32", "inner.0": "bf16"})
+    trainer(tmp_path, [policy], max_steps=1).fit(model, make_loader())
+    assert (model.seen["inner"], model.seen["head"]) == (BF, FP)
+    assert policy.dtype_for("matmul", "inner.0") == "bf16" and policy.dtype_for("matmul") == "fp32"
+
+
+def test_gradients_reach_every_parameter(tmp_path):
+    grads = {}
+
+    class Spy(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.update({n: p.grad for n, p in pl_module.named_parameters()})
+
+    model = Probe()
+    trainer(tmp_path, [PrecisionPolicy(), Spy()], max_steps=1).fit(model, make_loader())
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        assert grad is not None and grad.dtype == FP and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
+def test_census_in_tensorboard_matches_the_activations(tmp_path):
+    model = Probe(scale=3.0)
+    policy = PrecisionPolicy(census_every_n_steps=2)
+    trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
+    scalars, texts = read_events(str(tmp_path))
+    steps = [s for s, _ in scalars["opkit/precision/norm/headroom_bits"]]
+    assert steps == [1, 3]  # census at global steps 0 and 2, logged after their optimizer step
+    peak = policy.census[("norm", "fp32")]["absmax"]
+    assert policy.census[("norm", "fp32")]["calls"] == 1
+    assert peak == pytest.approx(model.peaks["norm"], rel=1e-6) or peak <= model.peaks["norm"]
+    expected = math.log2(torch.finfo(torch.float32).max / peak)
+    assert scalars["opkit/precision/norm/headroom_bits"][-1][1] == pytest.approx(expected, rel=1e-5)
+    bf_head = policy.census[("matmul", "bf16")]["headroom_bits"]
+    assert scalars["opkit/precision/matmul/headroom_bits"][-1][1] == pytest.approx(bf_head, rel=1e-5)
+    assert policy.census[("matmul", "bf16")]["calls"] == 4  # body, a @ w, inner.0, head
+    table = texts["opkit/precision/census"][-1][1]
+    assert "| norm | fp32 | fp32 | 1 |" in table and "| matmul | bf16 | bf16 | 4 |" in table
+    assert "| softmax | fp32 |" in texts["opkit/precision/policy"][0][1]
+
+
+def test_census_off_records_nothing(tmp_path):
+    policy = PrecisionPolicy(census_every_n_steps=0)
+    trainer(tmp_path, [policy], max_steps=2).fit(Probe(), make_loader())
+    scalars, _ = read_events(str(tmp_path))
+    assert not [t for t in scalars if t.startswith("opkit/precision")] and policy.census == {}
+
+
+def test_near_overflow_warns_for_half_classes(tmp_path):
+    model = Probe(scale=4000.0)
+    policy = PrecisionPolicy(rules={"matmul": "fp16"}, census_every_n_steps=1)
+    plugin = MixedPrecision("16-mixed", "cpu")  # fp16 autocast with Lightning's GradScaler, on CPU
+    with pytest.warns(UserWarning, match="'matmul' in fp16 is .* bits from overflow"):
+        trainer(tmp_path, [policy], max_steps=1, plugins=[plugin]).fit(model, make_loader())
+    assert model.seen["linear"] == torch.float16
+    assert policy.census[("matmul", "fp16")]["headroom_bits"] < 4
+
+
+def test_fp16_without_loss_scaling_fails_at_setup(tmp_path):
+    with pytest.raises(ValueError, match=r"\['matmul'\] in fp16.*precision='16-mixed'"):
+        trainer(tmp_path, [PrecisionPolicy(rules={"matmul": "fp16"})], max_steps=1).fit(Probe(), make_loader())
+    with pytest.raises(ValueError, match=r"module head"):
+        trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp16"})], max_steps=1, precision="16-true").fit(
+            Probe(), make_loader())
+
+
+class LargeTargets(pl.LightningModule):
+    """Regression onto targets of a few hundred: fine in fp32, an fp16 loss overflows (its squares pass 65504)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        target = (y.float() + 1) * 300
+        pred = self.net(x).squeeze(-1)
+        loss = F.mse_loss(pred, target.to(pred.dtype))
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.1)
+
+
+def test_16_true_goes_non_finite_and_the_policy_keeps_it_finite(tmp_path):
+    plain = LargeTargets()
+    trainer(tmp_path / "plain", [], max_steps=8, precision="16-true").fit(plain, make_loader())
+    assert not all(math.isfinite(v) for v in plain.losses)
+    governed = LargeTargets()
+    trainer(tmp_path / "policy", [PrecisionPolicy()], max_steps=48, precision="16-true", max_epochs=-1).fit(
+        governed, make_loader())
+    assert all(math.isfinite(v) for v in governed.losses)
+    assert sum(governed.losses[-8:]) < 0.5 * sum(governed.losses[:8])  # and it learns
+
+
+def test_model_untouched_after_teardown_and_after_an_exception(tmp_path):
+    model = Probe()
+    before = snapshot(model)
+    trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp32"})], max_steps=1).fit(model, make_loader())
+    assert snapshot(model) == before and torch._C._len_torch_function_stack() == 0
+    failing = Probe(fail_at=1)
+    before = snapshot(failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp32"})], max_steps=3).fit(failing, make_loader())
+    assert snapshot(failing) == before and torch._C._len_torch_function_stack() == 0
+    assert "training_step" not in vars(failing)
+
+
+def test_validation_steps_are_governed_too(tmp_path):
+    class Val(Probe):
+        def validation_step(self, batch, batch_idx):
+            self.seen.clear()
+            self(batch[0])
+
+    model = Val()
+    trainer(tmp_path, [PrecisionPolicy()], max_steps=1, limit_val_batches=1, val_check_interval=1).fit(
+        model, make_loader(), make_loader(n=8))
+    assert model.seen["norm"] == FP and model.seen["linear"] == BF
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rules={"gemm": "bf16"}), r"unknown op class 'gemm'.*'matmul'"),
+        (dict(rules={"norm": "float32"}), r"'float32'.*\['fp32', 'bf16', 'fp16', 'keep'\]"),
+        (dict(default="half"), r"`default`.*'half'"),
+        (dict(modules={"head": "fp64"}), r"modules\['head'\]"),
+        (dict(census_every_n_steps=-1), "census_every_n_steps"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrecisionPolicy(**kwargs)
+
+
+def test_module_glob_matching_nothing_fails_at_setup(tmp_path):
+    with pytest.raises(ValueError, match=r"'heads'.*'head'"):
+        trainer(tmp_path, [PrecisionPolicy(modules={"heads": "fp32"})], max_steps=1).fit(Probe(), make_loader())
