@@ -3,12 +3,14 @@
 from lightning_opkit.nan import NaNDetector, NonFiniteError
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
 from lightning_opkit.precision import PrecisionPolicy
+from lightning_opkit.profiler import ProfilerWindows
 
 __all__ = [
     "OP_CLASSES",
     "NaNDetector",
     "NonFiniteError",
     "PrecisionPolicy",
+    "ProfilerWindows",
     "classify_function",
     "classify_module",
     "classify_name",

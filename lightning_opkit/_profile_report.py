@@ -1,0 +1,91 @@
+"""Turn a finished torch.profiler window into per-op-class times, a top-k table and memory/FLOP figures.
+
+Plain functions over ``prof.key_averages()`` and ``prof.events()``, tested without a Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_opkit.opclass import OP_CLASSES, classify_profiler_event
+
+
+@dataclass
+class OpRow:
+    """One operator's totals in a window (times in microseconds)."""
+
+    name: str
+    op_class: str
+    calls: int
+    self_us: float
+    total_us: float
+    flops: int
+
+
+@dataclass
+class WindowReport:
+    """What a window measured; times in microseconds, summed over its active steps."""
+
+    steps: int
+    step_time_ms: float
+    ops: list[OpRow] = field(default_factory=list)
+    class_self_us: dict[str, float] = field(default_factory=dict)
+    peak_memory_bytes: float | None = None
+    flops: int = 0
+
+    @property
+    def total_self_us(self) -> float:
+        """All self time in the window: the denominator of every share."""
+        return sum(self.class_self_us.values())
+
+    def class_percent(self) -> dict[str, float]:
+        """Share of profiled self time per op class, in percent (sums to 100)."""
+        total = self.total_self_us or 1.0
+        return {cls: 100.0 * us / total for cls, us in self.class_self_us.items()}
+
+
+def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> WindowReport:
+    """Summarize a stopped profiler.
+
+    Args:
+        prof: a ``torch.profiler.profile`` whose trace has been collected.
+        step_times_s: wall time of each active step, in seconds.
+        use_device: rank by device (CUDA) self time instead of CPU self time.
+    """
+    ops = []
+    for e in prof.key_averages():
+        self_us = float(e.self_device_time_total if use_device else e.self_cpu_time_total)
+        total_us = float(e.device_time_total if use_device else e.cpu_time_total)
+        ops.append(OpRow(e.key, classify_profiler_event(e.key), int(e.count), self_us, total_us, int(e.flops or 0)))
+    ops.sort(key=lambda r: r.self_us, reverse=True)
+    class_self = dict.fromkeys(OP_CLASSES, 0.0)
+    for row in ops:
+        class_self[row.op_class] += row.self_us
+    steps = len(step_times_s)
+    return WindowReport(
+        steps=steps,
+        step_time_ms=1e3 * sum(step_times_s) / steps if steps else 0.0,
+        ops=ops,
+        class_self_us=class_self,
+        flops=sum(r.flops for r in ops),
+    )
+
+
+def peak_cpu_memory(prof: Any) -> float:
+    """Peak of the running sum of CPU allocations minus frees over the window, in bytes.
+
+    Args:
+        prof: a stopped profiler run with ``profile_memory=True``.
+    """
+    # Allocations are charged to the op that made them (self usage, so nested ops are not counted twice);
+    # frees outside any op arrive as "[memory]" events.
+    deltas = sorted(
+        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+        for e in prof.events()
+    )
+    running = peak = 0
+    for _, delta in deltas:
+        running += delta
+        peak = max(peak, running)
+    return float(peak)
