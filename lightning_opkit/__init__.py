@@ -1,5 +1,6 @@
 """lightning_opkit: PyTorch Lightning callbacks for operator-level training work."""
 
+from lightning_opkit.compile import TorchCompile
 from lightning_opkit.nan import NaNDetector, NonFiniteError
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
 from lightning_opkit.precision import PrecisionPolicy
@@ -11,6 +12,7 @@ __all__ = [
     "NonFiniteError",
     "PrecisionPolicy",
     "ProfilerWindows",
+    "TorchCompile",
     "classify_function",
     "classify_module",
     "classify_name",

@@ -1,0 +1,118 @@
+"""Watch torch.compile from the outside: compile time, graphs, graph breaks and recompile reasons.
+
+Reads dynamo's public start/end compile callbacks, its counters and its ``recompiles`` log artifact, and undoes
+every change it makes when closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+_RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
+
+
+class _Collect(logging.Handler):
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(record.getMessage())
+
+
+class DynamoWatch:
+    """Counts compiles and their time, graphs, graph breaks (with reasons) and recompiles (with reasons).
+
+    Counters are process-wide, so figures are deltas from :meth:`open`.
+
+    Example:
+        >>> watch = DynamoWatch()
+        >>> watch.open()
+        >>> watch.close()
+    """
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.compile_time_s = 0.0
+        self.recompile_reasons: list[str] = []
+        self._t0: float | None = None
+        self._base_breaks: Counter[str] = Counter()
+        self._base_graphs = 0
+        self._base_frames = 0
+        self._handler: _Collect | None = None
+        self._logger_state: tuple[int, bool] | None = None
+        self._enabled_artifact = False
+
+    def open(self) -> None:
+        """Start watching: register callbacks and the recompile log handler."""
+        self._base_breaks = Counter(counters["graph_break"])
+        self._base_graphs = counters["stats"]["unique_graphs"]
+        self._base_frames = counters["frames"]["ok"]
+        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+        torch._dynamo.callback_handler.register_end_callback(self._on_end)
+        from torch._logging._internal import log_state
+
+        if not log_state.is_artifact_enabled("recompiles"):
+            log_state.enable_artifact("recompiles")
+            self._enabled_artifact = True
+        logger = logging.getLogger(_RECOMPILES_LOGGER)
+        self._logger_state = (logger.level, logger.propagate)
+        self._handler = _Collect(self.recompile_reasons)
+        logger.addHandler(self._handler)
+        logger.setLevel(logging.DEBUG)
+        # Ours is the only consumer we turned on: keep torch's console handlers quiet unless the user enabled them.
+        logger.propagate = not self._enabled_artifact
+
+    def close(self) -> None:
+        """Stop watching and undo every change (idempotent)."""
+        if self._handler is None:
+            return
+        for remove, fn in ((torch._dynamo.callback_handler.remove_start_callback, self._on_start),
+                           (torch._dynamo.callback_handler.remove_end_callback, self._on_end)):
+            try:
+                remove(fn)
+            except ValueError:
+                pass
+        logger = logging.getLogger(_RECOMPILES_LOGGER)
+        logger.removeHandler(self._handler)
+        if self._logger_state is not None:
+            logger.setLevel(self._logger_state[0])
+            logger.propagate = self._logger_state[1]
+        if self._enabled_artifact:
+            from torch._logging._internal import log_state
+
+            log_state.artifact_names.discard("recompiles")
+            self._enabled_artifact = False
+        self._handler = None
+
+    def _on_start(self, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def _on_end(self, *args: Any) -> None:
+        if self._t0 is not None:
+            self.compile_time_s += time.perf_counter() - self._t0
+            self._t0 = None
+        self.compiles += 1
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled since :meth:`open`."""
+        return counters["stats"]["unique_graphs"] - self._base_graphs
+
+    @property
+    def frames(self) -> int:
+        """Frames dynamo converted since :meth:`open` (0 means no compiled code ran)."""
+        return counters["frames"]["ok"] - self._base_frames
+
+    def graph_breaks(self) -> dict[str, int]:
+        """Graph-break reason -> count, since :meth:`open`."""
+        now = Counter(counters["graph_break"])
+        now.subtract(self._base_breaks)
+        return {reason.split("\n\n")[0].strip(): n for reason, n in now.items() if n > 0}

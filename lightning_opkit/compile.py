@@ -1,0 +1,227 @@
+"""TorchCompile: optional, in-place, optionally regional torch.compile, observable and checkpoint-safe."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch._dynamo
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_opkit._dynamo_watch import DynamoWatch
+from lightning_opkit._modules import resolve_modules
+from lightning_opkit._patch import Patches
+from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+
+__all__ = ["TorchCompile"]
+
+
+def _backends() -> list[str]:
+    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"})
+
+
+def _outermost(named: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
+    # ``blocks.*`` also matches ``blocks.0.attn``; compiling both would nest compiled regions.
+    names = [n for n, _ in named]
+    return [(n, m) for n, m in named if not any(n != p and (p == "" or n.startswith(p + ".")) for p in names)]
+
+
+class TorchCompile(Callback):
+    """Compile the model (or each submodule matching a glob) in place with ``torch.compile``, and report on it.
+
+    Compilation is in place, the way ``nn.Module.compile`` does it: the module object, its ``state_dict`` keys and
+    checkpoints are those of the uncompiled model (no ``_orig_mod.``), so a checkpoint saved while compiled loads into
+    a plain model and vice versa. With ``modules``, each matching submodule is compiled on its own (regional
+    compilation): identical blocks share one compiled code object and compile once.
+
+    Args:
+        modules: globs over ``named_modules()`` names of submodules to compile; ``None`` compiles the
+            LightningModule's ``forward`` (what ``self(x)`` in ``training_step`` calls).
+        backend: a ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, ``"eager"``, ...).
+        mode: an Inductor mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ...); not with ``options``.
+        fullgraph: fail on any graph break instead of splitting the graph.
+        dynamic: ``True`` / ``False`` forces dynamic / static shapes; ``None`` lets dynamo mark a dimension dynamic
+            after its first change (so a smaller last batch or an evaluation batch size recompiles once, not per size).
+        options: Inductor options such as ``{"triton.cudagraphs": True}``; keys are checked against Inductor's.
+        fallback: when compilation fails, warn once, log the error, and go on eagerly; ``False`` raises.
+
+    Example:
+        >>> trainer = pl.Trainer(callbacks=[TorchCompile(modules=["model.blocks.*"])])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        modules: Optional[list[str]] = None,
+        backend: str = "inductor",
+        mode: Optional[str] = None,
+        fullgraph: bool = False,
+        dynamic: Optional[bool] = None,
+        options: Optional[dict[str, Any]] = None,
+        fallback: bool = True,
+    ) -> None:
+        backends = _backends()
+        if not isinstance(backend, str) or backend not in backends:
+            raise ValueError(f"Expected `backend` to be one of {backends}, but got {backend!r}")
+        if mode is not None:
+            import torch._inductor
+
+            modes = list(torch._inductor.list_mode_options())
+            if mode not in modes:
+                raise ValueError(f"Expected `mode` to be one of {modes} or None, but got {mode!r}")
+        if options is not None:
+            if mode is not None:
+                raise ValueError("`mode` and `options` cannot both be set (torch.compile takes one or the other)")
+            if not isinstance(options, dict):
+                raise ValueError(f"Expected `options` to be a dict of Inductor options, but got {options!r}")
+            if backend == "inductor":
+                import difflib
+
+                import torch._inductor
+
+                known = torch._inductor.list_options()
+                bad = [k for k in options if k not in known]
+                if bad:
+                    hints = {k: difflib.get_close_matches(k, known, n=3) for k in bad}
+                    raise ValueError(f"Unknown Inductor option(s) {bad} in `options`; close valid names: {hints}")
+        if modules is not None and (not isinstance(modules, (list, tuple)) or not all(isinstance(m, str)
+                                                                                       for m in modules)):
+            raise ValueError(f"Expected `modules` to be a list of glob strings or None, but got {modules!r}")
+        for name, value in (("fullgraph", fullgraph), ("fallback", fallback)):
+            if not isinstance(value, bool):
+                raise ValueError(f"Expected `{name}` to be a bool, but got {value!r}")
+        if dynamic is not None and not isinstance(dynamic, bool):
+            raise ValueError(f"Expected `dynamic` to be True, False or None, but got {dynamic!r}")
+        self.modules = list(modules) if modules is not None else None
+        self.backend = backend
+        self.mode = mode
+        self.fullgraph = fullgraph
+        self.dynamic = dynamic
+        self.options = dict(options) if options is not None else None
+        self.fallback = fallback
+
+        #: module paths compiled in this run ("" = the LightningModule)
+        self.compiled: list[str] = []
+        #: the compile error, when training fell back to eager
+        self.error: str | None = None
+        self.step_times_s: list[float] = []
+        self.watch = DynamoWatch()
+        self._patches = Patches()
+        self._writer: TensorBoardWriter | None = None
+        self._t0: float | None = None
+        self._compiles_at_start = 0
+        self._reported: tuple[int, int, int] = (-1, -1, -1)
+        self._warned_idle = False
+
+    # lifecycle
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._patches:
+            return  # validate/test inside fit reuse the compiled model
+        targets = [("", pl_module)] if self.modules is None else _outermost(resolve_modules(pl_module, self.modules))
+        kwargs = dict(backend=self.backend, mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic,
+                      options=self.options)
+        for _, module in targets:
+            compiled = torch.compile(module._call_impl, **kwargs)
+            self._patches.set(module, "_compiled_call_impl", self._guard(trainer, module, compiled))
+        self.compiled = [name for name, _ in targets]
+        self.watch.open()
+        self._writer = TensorBoardWriter(trainer)
+        self._writer.text("opkit/compile/config", markdown_table(
+            ["setting", "value"], [["compiled", ", ".join(n or "<LightningModule>" for n in self.compiled)],
+                                   *[[k, v] for k, v in kwargs.items()]]), trainer.global_step)
+
+    def _guard(self, trainer: pl.Trainer, module: torch.nn.Module,
+               compiled: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                if not self.fallback:
+                    raise
+                self._fall_back(trainer, err)
+                return module._call_impl(*args, **kwargs)
+
+        return call
+
+    def _fall_back(self, trainer: pl.Trainer, err: BaseException) -> None:
+        head = str(err).strip().split("\n\n")[0]  # dynamo appends pages of debugging hints after a blank line
+        self.error = f"{type(err).__name__}: {' '.join(head.split())}"
+        self._patches.restore()  # every compiled region goes back to eager, once
+        warnings.warn(f"TorchCompile: compilation failed, training continues eagerly. {self.error}", stacklevel=3)
+        if self._writer is not None:
+            self._writer.scalar("opkit/compile/eager_fallback", 1, trainer.global_step)
+            self._writer.text("opkit/compile/error", f"Compilation failed; training continues eagerly.\n\n"
+                                                     f"```\n{err}\n```", trainer.global_step)
+            self._writer.flush()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach(trainer)
+
+    def _detach(self, trainer: pl.Trainer) -> None:
+        if self._writer is not None:
+            self._log(trainer, final=True)
+            self._writer.close()
+            self._writer = None
+        self._patches.restore()
+        self.watch.close()
+
+    # observability
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._compiles_at_start = self.watch.compiles
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._t0 is not None and self.watch.compiles == self._compiles_at_start and self.error is None:
+            self.step_times_s.append(time.perf_counter() - self._t0)  # steady state: nothing compiled this step
+        self._t0 = None
+        if not self._warned_idle and self.watch.frames == 0 and self.error is None:
+            self._warned_idle = True
+            warnings.warn(
+                "TorchCompile: no compiled code ran in the first training step. With modules=None only the"
+                " LightningModule's forward is compiled, so training_step must call self(...); or name submodules"
+                " in `modules` (modules whose forward lives inside torch.nn, such as a bare nn.Linear, are not"
+                " compiled by dynamo).", stacklevel=2)
+        self._log(trainer, final=False)
+
+    def _log(self, trainer: pl.Trainer, final: bool) -> None:
+        writer = self._writer
+        if writer is None or not writer.active:
+            return
+        step = trainer.global_step
+        watch = self.watch
+        breaks = watch.graph_breaks()
+        state = (watch.compiles, sum(breaks.values()), len(watch.recompile_reasons))
+        if state != self._reported:
+            self._reported = state
+            writer.scalar("opkit/compile/compile_time_s", watch.compile_time_s, step)
+            writer.scalar("opkit/compile/compiles", watch.compiles, step)
+            writer.scalar("opkit/compile/graphs", watch.graphs, step)
+            writer.scalar("opkit/compile/graph_breaks", sum(breaks.values()), step)
+            writer.scalar("opkit/compile/recompiles", len(watch.recompile_reasons), step)
+            if breaks:
+                writer.table("opkit/compile/graph_break_reasons", ["reason", "count"],
+                             sorted(breaks.items(), key=lambda kv: -kv[1]), step)
+            if watch.recompile_reasons:
+                writer.text("opkit/compile/recompile_reasons",
+                            "\n\n".join(f"```\n{r}\n```" for r in watch.recompile_reasons[-20:]), step)
+        steady = self.step_times_s
+        if steady and (final or len(steady) % max(1, trainer.log_every_n_steps) == 0):
+            writer.scalar("opkit/compile/step_time_ms", 1e3 * statistics.median(steady[-100:]), step)
+        writer.flush() if final else None

@@ -1,0 +1,213 @@
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_loader, read_events, snapshot, trainer
+from torch import nn
+
+from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, TorchCompile
+
+
+@torch._dynamo.register_backend(name="opkit_test_failing")
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend always fails")
+
+
+class Block(nn.Module):
+    def __init__(self, dim=16, graph_break=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        h = self.fc(self.norm(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x + F.gelu(h)
+
+
+class Blocks(pl.LightningModule):
+    def __init__(self, depth=4, graph_break=False):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block(graph_break=graph_break) for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_state_dict_keys_and_checkpoints_are_those_of_the_plain_model(tmp_path):
+    # a plain checkpoint resumes under compilation ...
+    plain_run = trainer(tmp_path, [], max_epochs=1)
+    plain_run.fit(Blocks(), make_loader(n=24))
+    plain_ckpt = os.path.join(tmp_path, "plain.ckpt")
+    plain_run.save_checkpoint(plain_ckpt)
+    model = Blocks()
+    plain_keys = list(model.state_dict())
+    before = snapshot(model)
+    t = trainer(tmp_path, [TorchCompile(backend="eager")], max_epochs=2)
+    t.fit(model, make_loader(n=24), ckpt_path=plain_ckpt)
+    assert model.global_step == 6
+    # ... and a checkpoint saved while compiled loads strictly into a never-compiled model
+    ckpt = os.path.join(tmp_path, "compiled.ckpt")
+    t.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert list(state) == plain_keys and not any("_orig_mod" in k for k in state)
+    plain = Blocks.load_from_checkpoint(ckpt)
+    x = torch.randn(5, 8)
+    assert torch.equal(plain(x), model(x))
+    assert snapshot(model) == before  # teardown undid the compilation
+
+
+def test_regional_compiles_each_block_and_reports(tmp_path):
+    cb = TorchCompile(modules=["blocks.*"], backend="eager")
+    model = Blocks()
+    trainer(tmp_path, [cb], max_steps=4).fit(model, make_loader())
+    assert cb.compiled == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]  # not blocks.0.norm etc.
+    assert cb.watch.frames >= 1 and cb.watch.compiles == 1  # four blocks, one code object, one compile
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/compile/compiles"][-1][1] == 1 and scalars["opkit/compile/compile_time_s"][-1][1] > 0
+    assert scalars["opkit/compile/step_time_ms"][-1][1] > 0
+    assert "blocks.0, blocks.1" in texts["opkit/compile/config"][0][1]
+    assert model.blocks[0]._compiled_call_impl is None
+
+
+def test_graph_breaks_are_reported_with_reasons(tmp_path):
+    cb = TorchCompile(backend="eager")
+    trainer(tmp_path, [cb], max_steps=2).fit(Blocks(graph_break=True), make_loader())
+    breaks = cb.watch.graph_breaks()
+    assert sum(breaks.values()) >= 1 and any("graph_break()" in r for r in breaks)
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/compile/graph_breaks"][-1][1] == sum(breaks.values())
+    assert "| reason | count |" in texts["opkit/compile/graph_break_reasons"][-1][1]
+
+
+def test_validation_shapes_recompile_a_bounded_number_of_times(tmp_path):
+    cb = TorchCompile(backend="eager")
+    # train batches of 8, validation batches of 5 and a last one of 3: sizes vary, recompiles stay bounded
+    trainer(tmp_path, [cb], max_epochs=3, limit_val_batches=None, num_sanity_val_steps=0).fit(
+        Blocks(), make_loader(n=32), make_loader(n=13, batch_size=5))
+    assert 1 <= len(cb.watch.recompile_reasons) <= 4, cb.watch.recompile_reasons
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/compile/recompiles"][-1][1] == len(cb.watch.recompile_reasons)
+    assert "Recompiling function forward" in texts["opkit/compile/recompile_reasons"][-1][1]
+
+
+def test_fallback_warns_once_and_trains_eagerly(tmp_path):
+    cb = TorchCompile(backend="opkit_test_failing")
+    model = Blocks()
+    before = snapshot(model)
+    with pytest.warns(UserWarning, match="compilation failed.*always fails") as record:
+        trainer(tmp_path, [cb], max_steps=3).fit(model, make_loader())
+    assert sum("compilation failed" in str(w.message) for w in record) == 1
+    assert model.global_step == 3 and "always fails" in cb.error
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/compile/eager_fallback"] == [(0, 1.0)] and "always fails" in texts["opkit/compile/error"][0][1]
+    assert snapshot(model) == before
+
+
+def test_no_fallback_raises(tmp_path):
+    model = Blocks()
+    before = snapshot(model)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="always fails"):
+        trainer(tmp_path, [TorchCompile(backend="opkit_test_failing", fallback=False)], max_steps=2).fit(
+            model, make_loader())
+    assert snapshot(model) == before
+
+
+def test_warns_when_nothing_compiled_ran(tmp_path):
+    with pytest.warns(UserWarning, match="no compiled code ran"):
+        trainer(tmp_path, [TorchCompile(modules=["head"], backend="eager")], max_steps=1).fit(Blocks(), make_loader())
+
+
+def test_inductor_compiles_for_real(tmp_path):
+    cb = TorchCompile(modules=["blocks.*"])  # inductor, the default
+    model = Blocks(depth=2)
+    trainer(tmp_path, [cb], max_steps=3).fit(model, make_loader())
+    assert cb.watch.compiles >= 1 and cb.error is None and cb.watch.compile_time_s > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class PoisonOnHuge(nn.Module):
+    """Turns values above 1e3 into NaN: a data-dependent failure that compiles without a Python branch."""
+
+    def forward(self, x):
+        return torch.where(x.abs() > 1e3, torch.full_like(x, float("nan")), x)
+
+
+class Guarded(Blocks):
+    def __init__(self):
+        super().__init__(depth=2)
+        self.poison = PoisonOnHuge()
+
+    def forward(self, x):
+        return self.head(self.blocks[1](self.poison(self.blocks[0](self.inp(x)))))
+
+
+def test_nan_detector_names_the_module_inside_a_compiled_model(tmp_path):
+    x = torch.randn(64, 8)
+    x[24:32] *= 1e6  # the fourth batch (global step 3) makes the poison fire
+    y = torch.randint(0, 4, (64,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    model = Guarded()
+    before = snapshot(model)
+    compile_cb = TorchCompile(backend="eager")
+    with pytest.raises(NonFiniteError) as info:
+        trainer(tmp_path, [compile_cb, NaNDetector()], max_steps=6).fit(model, loader)
+    assert (info.value.report["step"], info.value.report["module"]) == (3, "poison")
+    assert compile_cb.watch.frames >= 1
+    assert snapshot(model) == before
+
+
+def test_precision_policy_mode_is_traced_into_the_compiled_graph(tmp_path):
+    seen = {}
+
+    class Probe(Blocks):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self(x)
+            seen["out"] = out.dtype
+            return F.cross_entropy(out.float(), y)
+
+    cb = TorchCompile(backend="eager")
+    trainer(tmp_path, [PrecisionPolicy(census_every_n_steps=0), cb], max_steps=3).fit(Probe(), make_loader())
+    assert seen["out"] == torch.bfloat16  # the head matmul ran in the policy's bf16, compiled
+    assert cb.watch.frames >= 1 and cb.error is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(backend="inductr"), r"`backend`.*'inductor'.*'inductr'"),
+        (dict(mode="fast"), r"`mode`.*'max-autotune'.*'fast'"),
+        (dict(options={"triton.cudagraph": True}), r"Unknown Inductor option.*triton.cudagraph.*triton.cudagraphs"),
+        (dict(mode="default", options={"max_autotune": True}), "`mode` and `options`"),
+        (dict(dynamic="yes"), "`dynamic`"),
+        (dict(modules="blocks"), "`modules`"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TorchCompile(**kwargs)
+
+
+def test_cudagraphs_option_is_accepted():
+    assert TorchCompile(options={"triton.cudagraphs": True}).options == {"triton.cudagraphs": True}
