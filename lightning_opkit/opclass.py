@@ -24,6 +24,7 @@ __all__ = [
     "classify_module",
     "classify_name",
     "classify_profiler_event",
+    "function_info",
     "is_inplace",
 ]
 
@@ -149,6 +150,22 @@ def _normalize(name: str) -> str:
     return name
 
 
+def _classify_plain(name: str) -> str:
+    # Only dict lookups and str methods on constants: dynamo folds these while tracing, with no guards to fail.
+    base = _normalize(name)
+    cls = _NAME_TO_CLASS.get(base) or _NAME_TO_CLASS.get("_" + base)
+    if cls is not None:
+        return cls
+    for suffix in _SUFFIXES:
+        if base.endswith(suffix):
+            cls = _NAME_TO_CLASS.get(base[: -len(suffix)])
+            if cls is not None:
+                return cls
+    if base.startswith("_foreach_"):
+        return _NAME_TO_CLASS.get(base[len("_foreach_") :], "other")
+    return "other"
+
+
 def classify_name(name: str) -> str:
     """Classify an operator by name: a torch function, a Tensor method, an aten op or an autograd node.
 
@@ -162,18 +179,7 @@ def classify_name(name: str) -> str:
     node = _AUTOGRAD_NODE.match(name.strip())
     if node:
         name = _CAMEL.sub("_", node.group(1)).lower()
-    base = _normalize(name)
-    cls = _NAME_TO_CLASS.get(base) or _NAME_TO_CLASS.get("_" + base)
-    if cls is not None:
-        return cls
-    for suffix in _SUFFIXES:
-        if base.endswith(suffix):
-            cls = _NAME_TO_CLASS.get(base[: -len(suffix)])
-            if cls is not None:
-                return cls
-    if base.startswith("_foreach_"):
-        return _NAME_TO_CLASS.get(base[len("_foreach_") :], "other")
-    return "other"
+    return _classify_plain(name)
 
 
 _FUNCTION_CACHE: dict[Any, str] = {}
@@ -241,6 +247,21 @@ def classify_profiler_event(name: str) -> str:
     if name.startswith("ProfilerStep#") or name.startswith("Optimizer."):
         return "other"
     return classify_name(name)
+
+
+def function_info(func: Callable[..., Any]) -> tuple[str, bool]:
+    """``(op class, in-place?)`` of a torch function without touching any cache, safe to trace with dynamo.
+
+    Args:
+        func: the ``func`` argument of ``__torch_function__``.
+
+    Example:
+        >>> import torch
+        >>> function_info(torch.Tensor.add_)
+        ('pointwise', True)
+    """
+    name = _function_name(func)
+    return (_classify_plain(name) if name else "other"), is_inplace(func)
 
 
 def is_inplace(func: Callable[..., Any]) -> bool:

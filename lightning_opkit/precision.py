@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
-from lightning_opkit.opclass import OP_CLASSES, classify_function, is_inplace
+from lightning_opkit.opclass import OP_CLASSES, function_info
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
 
@@ -73,6 +73,12 @@ class _Census:
         return rows
 
 
+@torch._dynamo.assume_constant_result
+def _traced_function_info(func: Callable[..., Any]) -> tuple[str, bool]:
+    # Dynamo cannot trace str methods on a function's name; it runs this at trace time and keeps the result.
+    return function_info(func)
+
+
 class _PolicyMode(TorchFunctionMode):
     def __init__(self, policy: PrecisionPolicy) -> None:
         super().__init__()
@@ -82,10 +88,15 @@ class _PolicyMode(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         policy = self.policy
-        info = policy._funcs.get(func)
-        if info is None:
-            info = policy._funcs[func] = (classify_function(func), is_inplace(func))
-        cls, inplace = info
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            # Traced into the graph once: a cache here would be a guard that fails each time it grows.
+            cls, inplace = _traced_function_info(func)
+        else:
+            info = policy._funcs.get(func)
+            if info is None:
+                info = policy._funcs[func] = function_info(func)
+            cls, inplace = info
         if cls == "other":
             return func(*args, **kwargs)
         stack = policy._module_stack
@@ -102,7 +113,7 @@ class _PolicyMode(TorchFunctionMode):
                     out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
-        if policy._census is not None:
+        if not compiling and policy._census is not None:
             policy._census.record(cls, out)
         return out
 

@@ -120,7 +120,8 @@ def test_fallback_warns_once_and_trains_eagerly(tmp_path):
     assert sum("compilation failed" in str(w.message) for w in record) == 1
     assert model.global_step == 3 and "always fails" in cb.error
     scalars, texts = read_events(str(tmp_path))
-    assert scalars["opkit/compile/eager_fallback"] == [(0, 1.0)] and "always fails" in texts["opkit/compile/error"][0][1]
+    assert scalars["opkit/compile/eager_fallback"] == [(0, 1.0)]
+    assert "always fails" in texts["opkit/compile/error"][0][1]
     assert snapshot(model) == before
 
 

@@ -27,12 +27,18 @@ def test_config_trains_with_every_callback_and_logs(tmp_path):
         config = yaml.safe_load(f)
     names = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
     assert names == ["PrecisionPolicy", "NaNDetector", "ProfilerWindows", "TorchCompile"]
-    cli = main(["fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_epochs", "1",
+    cli = main(["--config", CONFIG, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_epochs", "1",
                 "--trainer.limit_train_batches", "12", "--trainer.limit_val_batches", "2",
-                "--trainer.callbacks+=lightning_opkit.ProfilerWindows", "--trainer.callbacks.every_n_steps=5"])
+                "--trainer.logger.init_args.save_dir", str(tmp_path),
+                "--trainer.callbacks.init_args.backend", "eager"], run=False)
+    opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
+    assert [type(c).__name__ for c in opkit] == names
+    assert opkit[0].modules == {"model.head": "fp32"} and opkit[1].action == "skip" and opkit[3].backend == "eager"
+    opkit[2].every_n_steps = 5  # a window inside 12 steps
+    cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 12
-    assert [type(c).__name__ for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")][:4] \
-        == names
-    scalars, _ = read_events(str(tmp_path))
-    assert "train/loss" in scalars and any(tag.startswith("opkit/") for tag in scalars)
+    scalars, texts = read_events(str(tmp_path))
+    assert "train/loss" in scalars and "opkit/precision/matmul/headroom_bits" in scalars
+    assert "opkit/profiler/step_time_ms" in scalars and "opkit/compile/compiles" in scalars
+    assert "opkit/precision/policy" in texts
     assert DigitsDataModule().batch_size == 64

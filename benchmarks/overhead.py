@@ -1,0 +1,180 @@
+"""Interleaved A/B overhead runs of opkit callbacks on the example ViT; prints medians and ratios.
+
+Every variant trains the same model for ``--steps`` steps per repetition; variants alternate (A B A B ...) within
+one process so drift hits all of them alike. Step time is the wall time between consecutive batch starts (so every
+hook's cost is inside it), median over the steps after ``--skip`` warm-up steps, then median over repetitions.
+
+    python benchmarks/overhead.py --suite all
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from examples.vit import ViTClassifier, load_digits_tensors  # noqa: E402
+from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+
+
+class StepTimer(pl.Callback):
+    """Wall time between consecutive training batch starts."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module):
+        self.starts.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:])]
+
+
+def loader(batch_size: int = 64) -> DataLoader:
+    images, labels = load_digits_tensors()
+    return DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(0))
+
+
+Variant = Callable[[], tuple[pl.LightningModule, list[pl.Callback], dict]]
+
+
+def run(make: Variant, steps: int, skip: int) -> tuple[float, list[pl.Callback]]:
+    model, callbacks, kwargs = make()
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(default_root_dir=root, max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[timer, *callbacks], limit_val_batches=0, num_sanity_val_steps=0,
+                             **{"precision": "32-true", **kwargs})
+        trainer.fit(model, loader())
+    return statistics.median(timer.intervals()[skip:]), callbacks
+
+
+def interleave(variants: dict[str, Variant], steps: int, reps: int, skip: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, make in variants.items():
+            times[name].append(run(make, steps, skip)[0])
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def report(title: str, medians: dict[str, float], base: str) -> None:
+    print(f"\n== {title}")
+    for name, t in medians.items():
+        print(f"  {name:<34} {1e3 * t:8.2f} ms/step   ratio vs {base}: {t / medians[base]:.3f}")
+
+
+def vit(**kw) -> ViTClassifier:
+    torch.manual_seed(0)
+    return ViTClassifier(**kw)
+
+
+def suite_nan(args) -> None:
+    medians = interleave({
+        "no callback": lambda: (vit(), [], {}),
+        "NaNDetector (every step)": lambda: (vit(), [NaNDetector()], {}),
+        "detect_anomaly=True": lambda: (vit(), [], {"detect_anomaly": True}),
+    }, args.steps, args.reps, args.skip)
+    report("NaNDetector overhead (forward+backward+loss checks every step)", medians, "no callback")
+    print(f"  NaNDetector / detect_anomaly: {medians['NaNDetector (every step)'] / medians['detect_anomaly=True']:.3f}")
+
+
+def suite_precision(args) -> None:
+    medians = interleave({
+        "bf16-mixed": lambda: (vit(), [], {"precision": "bf16-mixed"}),
+        "bf16-mixed + PrecisionPolicy": lambda: (vit(), [PrecisionPolicy(census_every_n_steps=0)],
+                                                 {"precision": "bf16-mixed"}),
+    }, args.steps, args.reps, args.skip)
+    report("PrecisionPolicy (built-in table) over plain bf16-mixed, eager", medians, "bf16-mixed")
+
+
+def suite_profiler(args) -> None:
+    medians = interleave({
+        "no callback": lambda: (vit(), [], {}),
+        "ProfilerWindows (idle between windows)": lambda: (vit(), [ProfilerWindows(every_n_steps=10_000)], {}),
+    }, args.steps, args.reps, args.skip)
+    report("ProfilerWindows idle cost", medians, "no callback")
+    timer_runs = []
+    for _ in range(args.reps):
+        cb = ProfilerWindows(every_n_steps=10, warmup=1, active=3)
+        t, _ = run(lambda cb=cb: (vit(), [cb], {}), 40, args.skip)
+        timer_runs.append((t, cb.last_report.step_time_ms / 1e3 if cb.last_report else float("nan")))
+    idle = statistics.median(t for t, _ in timer_runs)
+    inside = statistics.median(w for _, w in timer_runs)
+    print(f"  step inside a window: {1e3 * inside:.2f} ms vs {1e3 * idle:.2f} ms outside (ratio {inside / idle:.3f})")
+    prof_cb = ProfilerWindows(every_n_steps=10, warmup=1, active=3)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(default_root_dir=root, max_steps=14, logger=pl.loggers.TensorBoardLogger(root),
+                             enable_progress_bar=False, enable_checkpointing=False, callbacks=[prof_cb])
+        t0 = time.perf_counter()
+        trainer.fit(vit(), loader())
+        del t0
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(trainer.logger.log_dir)
+        acc.Reload()
+        export = acc.Scalars("opkit/profiler/export_s")[0].value
+        size = os.path.getsize(prof_cb.trace_files[0])
+    print(f"  trace export: {export:.3f} s for a 3-step window ({size / 1024:.0f} KiB gzipped)")
+
+
+def suite_compile(args) -> None:
+    import torch._dynamo
+
+    medians = interleave({
+        "manual torch.compile(model)": lambda: (torch.compile(vit()), [], {}),
+        "TorchCompile()": lambda: (vit(), [TorchCompile()], {}),
+    }, args.steps, args.reps, args.skip + 5)
+    report("TorchCompile steady state vs manual torch.compile (inductor, CPU)", medians,
+           "manual torch.compile(model)")
+    base = medians["manual torch.compile(model)"]
+    print(f"  throughput TorchCompile / manual: {base / medians['TorchCompile()']:.3f}")
+
+    import torch._inductor.config as inductor_config
+
+    cold: dict[str, list[float]] = {"whole model": [], "regional (blocks)": []}
+    with inductor_config.patch(fx_graph_cache=False):
+        for _ in range(max(1, args.reps // 2)):
+            for name, modules in (("whole model", None), ("regional (blocks)", ["model.blocks.*"])):
+                torch._dynamo.reset()
+                cb = TorchCompile(modules=modules)
+                run(lambda cb=cb: (vit(depth=8), [cb], {}), 3, 0)
+                cold[name].append(cb.watch.compile_time_s)
+    whole, regional = (statistics.median(v) for v in cold.values())
+    print(f"\n== Cold-start compile time, 8 blocks: whole {whole:.2f} s, regional {regional:.2f} s"
+          f" (ratio {regional / whole:.3f})")
+
+
+SUITES = {"nan": suite_nan, "precision": suite_precision, "profiler": suite_profiler, "compile": suite_compile}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each median")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads")
+    for name, suite in SUITES.items():
+        if args.suite in (name, "all"):
+            suite(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""What every opkit callback promises: defaults construct, CLI round trip, two fits, double teardown, clean model."""
+
+import pytest
+import torch
+from helpers import TinyNet, make_loader, snapshot, trainer
+from jsonargparse import ArgumentParser
+from lightning.pytorch import Callback
+
+from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
+
+CALLBACKS = {
+    "PrecisionPolicy": (PrecisionPolicy, dict(rules={"norm": "fp32"}, modules={"head": "fp32"},
+                                              census_every_n_steps=2)),
+    "NaNDetector": (NaNDetector, dict(action="skip", every_n_steps=2, modules=["body.*"])),
+    "ProfilerWindows": (ProfilerWindows, dict(every_n_steps=3, warmup=0, active=2, keep_traces=1)),
+    "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], dynamic=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_constructible_from_defaults(name):
+    assert isinstance(CALLBACKS[name][0](), Callback)
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_lightning_cli_class_path_round_trip(name):
+    cls, kwargs = CALLBACKS[name]
+    parser = ArgumentParser()
+    parser.add_argument("--callbacks", type=list[Callback])
+    config = {"callbacks": [{"class_path": f"lightning_opkit.{name}", "init_args": kwargs}]}
+    cfg = parser.parse_object(config)
+    callback = parser.instantiate_classes(cfg).callbacks[0]
+    assert type(callback) is cls
+    for key, value in kwargs.items():
+        assert getattr(callback, key) == value
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_cli_rejects_a_bad_value_naming_it(name, capsys):
+    bad = {"PrecisionPolicy": ("default", "half"), "NaNDetector": ("action", "ignore"),
+           "ProfilerWindows": ("active", "0"), "TorchCompile": ("backend", "inductr")}[name]
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--callbacks", type=list[Callback])
+    with pytest.raises(Exception, match=bad[0]):
+        cfg = parser.parse_args([f"--callbacks+=lightning_opkit.{name}", f"--callbacks.{bad[0]}={bad[1]}"])
+        parser.instantiate_classes(cfg)
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_two_fits_double_teardown_and_an_untouched_model(tmp_path, name):
+    cls, kwargs = CALLBACKS[name]
+    callback = cls(**kwargs)
+    model = TinyNet()
+    before = snapshot(model)
+    for i in range(2):
+        t = trainer(tmp_path / str(i), [callback], max_steps=4)
+        t.fit(model, make_loader())
+        assert snapshot(model) == before
+    callback.teardown(t, model, "fit")
+    callback.on_exception(t, model, RuntimeError("again"))
+    assert snapshot(model) == before
+    assert torch._C._len_torch_function_stack() == 0 and not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_all_four_together(tmp_path):
+    callbacks = [cls(**kwargs) for cls, kwargs in CALLBACKS.values()]
+    model = TinyNet(forward_steps=(2,))
+    before = snapshot(model)
+    trainer(tmp_path, callbacks, max_steps=6).fit(model, make_loader())
+    assert snapshot(model) == before
+    assert [e["step"] for e in callbacks[1].events] == [2] and callbacks[1].events[0]["module"] == "body.1"
+    assert callbacks[2].windows_done >= 1 and callbacks[3].watch.frames >= 1
