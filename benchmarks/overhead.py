@@ -65,6 +65,9 @@ def run(make: Variant, steps: int, skip: int) -> tuple[float, list[pl.Callback]]
 
 
 def interleave(variants: dict[str, Variant], steps: int, reps: int, skip: int) -> dict[str, float]:
+    # The first variant runs twice per repetition: its A/A ratio shows the noise floor of the figures.
+    first = next(iter(variants))
+    variants = {**variants, f"{first} (A/A control)": variants[first]}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, make in variants.items():
