@@ -294,7 +294,7 @@ class PrecisionPolicy(Callback):
             self._writer.scalar(f"opkit/precision/{cls}/headroom_bits", min(heads), step)
             self._writer.scalar(f"opkit/precision/{cls}/calls", sum(r[2] for r in rows if r[0] == cls), step)
         table = markdown_table(
-            ["op class", "policy", "ran in", "calls", "max abs output", "headroom bits"],
+            ["op class", "class rule", "ran in", "calls", "max abs output", "headroom bits"],
             [[cls, self.table[cls], dt, calls, peak, head] for cls, dt, calls, peak, head in rows],
         )
         if near:

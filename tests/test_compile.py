@@ -212,3 +212,35 @@ def test_bad_arguments(kwargs, match):
 
 def test_cudagraphs_option_is_accepted():
     assert TorchCompile(options={"triton.cudagraphs": True}).options == {"triton.cudagraphs": True}
+
+
+def test_policy_module_override_hooks_apply_inside_compiled_regions(tmp_path):
+    seen = {}
+
+    class Probe(Blocks):
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.blocks[0].fc(self.blocks[0].norm(self.inp(x)))
+            seen["fc0"] = h.dtype
+            return F.cross_entropy(self(x).float(), y)
+
+    seen_in_graph = {}
+
+    def record(module, args, output):
+        seen_in_graph[module] = output.dtype
+
+    model = Probe(depth=2)
+    model.blocks[0].fc.register_forward_hook(record)
+    model.blocks[1].fc.register_forward_hook(record)
+    # hooks for the fp32 override are registered at setup, before the blocks' first (lazy) compilation
+    policy = PrecisionPolicy(modules={"blocks.0.fc": "fp32"}, census_every_n_steps=0)
+    cb = TorchCompile(modules=["blocks.*"], backend="eager")
+    trainer(tmp_path, [cb, policy], max_steps=2).fit(model, make_loader())
+    assert seen_in_graph[model.blocks[0].fc] == torch.float32 and seen_in_graph[model.blocks[1].fc] == torch.bfloat16
+    assert seen["fc0"] == torch.float32 and cb.watch.frames >= 1 and not cb.watch.graph_breaks()

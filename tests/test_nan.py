@@ -221,3 +221,24 @@ def test_ddp_two_ranks_agree(tmp_path, action):
     if action == "skip":
         assert results[0]["weights"] == results[1]["weights"]
         assert results[0]["global_step"] == results[1]["global_step"] == 6
+
+
+def test_under_a_grad_scaler_gradient_overflow_is_left_to_the_scaler(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    lrs = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    detector = NaNDetector(action="raise")
+    model = TinyNet(param_grad_steps=(2,), scheduler=True)
+    trainer(tmp_path, [detector, Spy()], max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")]).fit(
+        model, make_loader())
+    # the scaler skipped step 2 (no raise, no event) and so did the per-step schedule
+    assert detector.events == [] and lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(NonFiniteError, match="loss"):
+        trainer(tmp_path, [NaNDetector()], max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")]).fit(
+            TinyNet(loss_steps=(2,)), make_loader())

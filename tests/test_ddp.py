@@ -1,0 +1,31 @@
+"""Real 2-process CPU DDP (gloo) runs of ProfilerWindows and TorchCompile (NaNDetector's are in test_nan.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import read_events
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_script.py")
+
+
+@pytest.mark.parametrize("ranks", ["zero", "all"])
+def test_profiler_and_compile_under_ddp(tmp_path, ranks):
+    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path), ranks], capture_output=True, text=True,
+                          timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # compiled inside the DDP wrapper on both ranks, identical weights, plain checkpoint keys, undone at teardown
+    assert r0["compiled"] == r1["compiled"] == ["blocks.0", "blocks.1"]
+    assert r0["frames"] >= 1 and r1["frames"] >= 1 and r0["weights"] == r1["weights"]
+    assert not any(r0["compiled_after"]) and not any("_orig_mod" in k or "module." in k for k in r0["keys"])
+    # windows at batches 2 and 4: rank zero only by default, each rank its own files with all_ranks
+    assert r0["trace_files"] == ["rank0.3.pt.trace.json.gz", "rank0.5.pt.trace.json.gz"]
+    assert r1["trace_files"] == ([] if ranks == "zero" else ["rank1.3.pt.trace.json.gz", "rank1.5.pt.trace.json.gz"])
+    traces = sorted(os.listdir(tmp_path / "lightning_logs" / "version_0" / "traces"))
+    assert traces == sorted(r0["trace_files"] + r1["trace_files"])
+    scalars, _ = read_events(str(tmp_path / "lightning_logs"))
+    assert [s for s, _ in scalars["opkit/profiler/step_time_ms"]] == [3, 5]  # only rank zero writes TensorBoard
+    assert "opkit/compile/compiles" in scalars
