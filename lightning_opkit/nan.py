@@ -349,13 +349,24 @@ class NaNDetector(Callback):
         elif self.action == "stop":
             trainer.should_stop = True
 
-    def _log(self, trainer: pl.Trainer, report: dict[str, Any]) -> None:
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A clean run shows flat zeros in TensorBoard rather than no NaN tags at all.
+        self._log_counters(trainer)
+
+    def _log_counters(self, trainer: pl.Trainer) -> None:
         if self._writer is None:
             return
         step = trainer.global_step
         self._writer.scalar("opkit/nan/events", len(self.events), step)
         self._writer.scalar("opkit/nan/skipped_steps", self.skipped_steps, step)
         self._writer.scalar("opkit/nan/consecutive_skips", self.consecutive_skips, step)
+
+    def _log(self, trainer: pl.Trainer, report: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        step = trainer.global_step
+        self._log_counters(trainer)
         rows = [[key, "-" if value is None else value] for key, value in report.items()]
         self._writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows),
                           step)

@@ -86,8 +86,8 @@ def test_skip_leaves_weights_and_optimizer_state_bit_identical(tmp_path, where):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert detector.skipped_steps == 1 and len(detector.events) == 1 and detector.events[0]["step"] == 2
     scalars, _ = read_events(str(tmp_path))
-    assert scalars["opkit/nan/events"] == [(2, 1.0)]
-    assert scalars["opkit/nan/skipped_steps"] == [(2, 1.0)]
+    assert scalars["opkit/nan/events"] == [(2, 1.0), (5, 1.0)]  # at the event, then at the epoch's end
+    assert scalars["opkit/nan/skipped_steps"] == [(2, 1.0), (5, 1.0)]
 
 
 def test_skip_does_not_step_the_lr_scheduler(tmp_path):
@@ -126,7 +126,7 @@ def test_stop_ends_training_after_logging(tmp_path):
     t.fit(model, make_loader())
     assert t.global_step == 3 and t.should_stop
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert read_events(str(tmp_path))[0]["opkit/nan/events"] == [(2, 1.0)]
+    assert read_events(str(tmp_path))[0]["opkit/nan/events"] == [(2, 1.0), (3, 1.0)]
 
 
 def test_every_n_steps_checks_only_those_steps(tmp_path):
@@ -191,7 +191,7 @@ def test_state_survives_checkpoint_resume(tmp_path):
     assert (resumed.skipped_steps, [e["step"] for e in resumed.events]) == (2, [1, 4])
 
 
-def test_clean_step_costs_one_sync_and_no_hooks(tmp_path):
+def test_clean_run_logs_zero_counters_and_leaves_no_hooks(tmp_path):
     model = TinyNet()
     counts = []
 
@@ -201,6 +201,8 @@ def test_clean_step_costs_one_sync_and_no_hooks(tmp_path):
 
     trainer(tmp_path, [NaNDetector(), Spy()], max_steps=3).fit(model, make_loader())
     assert counts == [0, 0, 0]
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/nan/events"] == [(3, 0.0)] and "opkit/nan/report" not in texts
 
 
 DDP_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_nan_script.py")
