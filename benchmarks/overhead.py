@@ -105,6 +105,59 @@ def suite_precision(args) -> None:
     report("PrecisionPolicy (built-in table) over plain bf16-mixed, eager", medians, "bf16-mixed")
 
 
+def suite_precision_loop(args) -> None:
+    """The policy's own cost without Lightning around it: forward+backward loops, eager and regional-compiled."""
+    import torch.nn.functional as F
+
+    from examples.vit import TinyViT
+
+    images, labels = load_digits_tensors()
+    x, y = images[:64], labels[:64]
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        net = TinyViT()
+        if compiled:
+            for block in net.blocks:
+                block.compile()
+        policy = PrecisionPolicy(census_every_n_steps=0)
+        policy._autocast_devices = ["cpu"]
+
+        def step(governed: bool, net=net, policy=policy) -> float:
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if governed:
+                    with policy._mode:
+                        loss = F.cross_entropy(net(x), y)
+                else:
+                    loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return time.perf_counter() - t0
+
+        for governed in (False, True, False, True):
+            step(governed)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(10 * args.reps):
+            for governed in (False, True):
+                times[governed].append(step(governed))
+        plain, governed = statistics.median(times[False]), statistics.median(times[True])
+        label = "regional inductor" if compiled else "eager"
+        print(f"\n== PrecisionPolicy mode in a bare training loop ({label}), vs bf16 autocast alone")
+        print(f"  autocast {1e3 * plain:.2f} ms, + policy {1e3 * governed:.2f} ms, ratio {governed / plain:.3f}")
+
+
+def suite_precision_compile(args) -> None:
+    def compiled(policy: bool):
+        callbacks = [PrecisionPolicy(census_every_n_steps=0)] if policy else []
+        return vit(), [*callbacks, TorchCompile(modules=["model.blocks.*"])], {"precision": "bf16-mixed"}
+
+    medians = interleave({
+        "bf16-mixed + TorchCompile": lambda: compiled(False),
+        "bf16-mixed + TorchCompile + PrecisionPolicy": lambda: compiled(True),
+    }, args.steps, args.reps, args.skip + 5)
+    report("PrecisionPolicy under compile (regional inductor), over compile alone", medians,
+           "bf16-mixed + TorchCompile")
+
+
 def suite_profiler(args) -> None:
     medians = interleave({
         "no callback": lambda: (vit(), [], {}),
@@ -138,31 +191,57 @@ def suite_profiler(args) -> None:
 def suite_compile(args) -> None:
     import torch._dynamo
 
+    def manual():
+        # What users write by hand (and what renames every checkpoint key to ``model._orig_mod.*``).
+        module = vit()
+        module.model = torch.compile(module.model)
+        return module, [], {}
+
+    ours = 'TorchCompile(modules=["model"])'
     medians = interleave({
-        "manual torch.compile(model)": lambda: (torch.compile(vit()), [], {}),
-        "TorchCompile()": lambda: (vit(), [TorchCompile()], {}),
+        "manual torch.compile(model.model)": manual,
+        ours: lambda: (vit(), [TorchCompile(modules=["model"])], {}),
     }, args.steps, args.reps, args.skip + 5)
-    report("TorchCompile steady state vs manual torch.compile (inductor, CPU)", medians,
-           "manual torch.compile(model)")
-    base = medians["manual torch.compile(model)"]
-    print(f"  throughput TorchCompile / manual: {base / medians['TorchCompile()']:.3f}")
-
-    import torch._inductor.config as inductor_config
-
-    cold: dict[str, list[float]] = {"whole model": [], "regional (blocks)": []}
-    with inductor_config.patch(fx_graph_cache=False):
-        for _ in range(max(1, args.reps // 2)):
-            for name, modules in (("whole model", None), ("regional (blocks)", ["model.blocks.*"])):
-                torch._dynamo.reset()
-                cb = TorchCompile(modules=modules)
-                run(lambda cb=cb: (vit(depth=8), [cb], {}), 3, 0)
-                cold[name].append(cb.watch.compile_time_s)
-    whole, regional = (statistics.median(v) for v in cold.values())
-    print(f"\n== Cold-start compile time, 8 blocks: whole {whole:.2f} s, regional {regional:.2f} s"
-          f" (ratio {regional / whole:.3f})")
+    report("TorchCompile steady state vs manual torch.compile of the same module (inductor, CPU)", medians,
+           "manual torch.compile(model.model)")
+    base = medians["manual torch.compile(model.model)"]
+    print(f"  throughput TorchCompile / manual: {base / medians[ours]:.3f}")
 
 
-SUITES = {"nan": suite_nan, "precision": suite_precision, "profiler": suite_profiler, "compile": suite_compile}
+def cold_start_one(modules: list[str] | None) -> tuple[float, float]:
+    """One cold compile in this (fresh) process: dynamo-measured compile time and first-step wall time."""
+    cb = TorchCompile(modules=modules)
+    timer = StepTimer()
+    run(lambda: (vit(depth=8), [cb, timer], {}), 3, 0)
+    return cb.watch.compile_time_s, timer.intervals()[0]
+
+
+def suite_cold_start(args) -> None:
+    import json
+    import subprocess
+
+    # Each compile runs in a fresh process with an empty Inductor cache directory: no in-memory or on-disk kernel
+    # cache can carry over from one variant to the other.
+    cold: dict[str, list[tuple[float, float]]] = {"whole": [], "regional": []}
+    for _ in range(args.reps):
+        for name in cold:
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-one", name], env=env,
+                                     capture_output=True, text=True, check=True).stdout
+            cold[name].append(tuple(json.loads(out.strip().splitlines()[-1])))
+    (whole_c, whole_s), (reg_c, reg_s) = ((statistics.median(c for c, _ in v), statistics.median(s for _, s in v))
+                                          for v in cold.values())
+    print("\n== Cold start, 8 blocks, inductor (fresh process and empty cache per compile)")
+    print(f"  compile time (dynamo callbacks): whole {whole_c:.2f} s, regional {reg_c:.2f} s"
+          f" (ratio {reg_c / whole_c:.3f})")
+    print(f"  first training step:             whole {whole_s:.2f} s, regional {reg_s:.2f} s"
+          f" (ratio {reg_s / whole_s:.3f})")
+
+
+SUITES = {"nan": suite_nan, "precision": suite_precision, "precision_loop": suite_precision_loop,
+          "precision_compile": suite_precision_compile,
+          "profiler": suite_profiler, "compile": suite_compile, "cold_start": suite_cold_start}
 
 
 def main() -> None:
@@ -171,7 +250,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each median")
+    parser.add_argument("--cold-one", choices=["whole", "regional"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cold_one:
+        import json
+
+        print(json.dumps(cold_start_one(None if args.cold_one == "whole" else ["model.blocks.*"])))
+        return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads")
     for name, suite in SUITES.items():

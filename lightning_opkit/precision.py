@@ -107,12 +107,20 @@ class _PolicyMode(TorchFunctionMode):
             args = tuple(_cast(a, dtype) for a in args)
             if kwargs:
                 kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-            if policy._autocast_devices:
+            if not policy._autocast_devices:
+                out = func(*args, **kwargs)
+            elif compiling:
                 # The policy, not autocast, decides: autocast would recast the inputs we just cast.
                 with torch.autocast(policy._autocast_devices[0], enabled=False):
                     out = func(*args, **kwargs)
             else:
-                out = func(*args, **kwargs)
+                # Same as the context manager above at a fraction of its Python cost, on every governed op.
+                device = policy._autocast_devices[0]
+                torch.set_autocast_enabled(device, False)
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    torch.set_autocast_enabled(device, True)
         if not compiling and policy._census is not None:
             policy._census.record(cls, out)
         return out
