@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from examples.vit import ViTClassifier, load_digits_tensors  # noqa: E402
 from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
 
+ACCELERATOR = "cpu"
+
 
 class StepTimer(pl.Callback):
     """Wall time between consecutive training batch starts."""
@@ -56,7 +58,7 @@ def run(make: Variant, steps: int, skip: int) -> tuple[float, list[pl.Callback]]
     model, callbacks, kwargs = make()
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:
-        trainer = pl.Trainer(default_root_dir=root, max_steps=steps, accelerator="cpu", devices=1, logger=False,
+        trainer = pl.Trainer(default_root_dir=root, max_steps=steps, accelerator=ACCELERATOR, devices=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[timer, *callbacks], limit_val_batches=0, num_sanity_val_steps=0,
                              **{"precision": "32-true", **kwargs})
@@ -251,7 +253,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each median")
     parser.add_argument("--cold-one", choices=["whole", "regional"], help=argparse.SUPPRESS)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    global ACCELERATOR
+    ACCELERATOR = args.accelerator
     if args.cold_one:
         import json
 

@@ -170,3 +170,14 @@ def test_resume_continues_the_window_count(tmp_path):
 def test_impossible_windows(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ProfilerWindows(**kwargs)
+
+
+def test_epoch_end_cuts_a_window_and_the_next_epoch_opens_the_next(tmp_path):
+    cb = ProfilerWindows(every_n_steps=4, warmup=0, active=3)
+    state = ProfilerState()
+    # 5 batches per epoch: the window opened at batch 4 (the epoch's last) is closed at the epoch end with 1 step
+    trainer(tmp_path, [cb, state], max_epochs=2).fit(TinyNet(), make_loader(n=40))
+    assert cb.windows_done == 2 and cb.last_report.steps == 2  # the second window: batches 8, 9 (epoch 2's end)
+    steps = sorted(int(os.path.basename(p).split(".")[1]) for p in cb.trace_files)
+    assert steps == [5, 10]
+    assert [b for b, on in enumerate(state.states[0::2]) if on] == [4, 8, 9]

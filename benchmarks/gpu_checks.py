@@ -1,0 +1,81 @@
+"""The checks that need a GPU, in one short script: run it once on a CUDA machine and paste its output.
+
+    python benchmarks/gpu_checks.py            # about 3-5 minutes on one GPU
+
+1. ProfilerWindows records CUDA activity (device self time per op class).
+2. fp16 with Lightning's GradScaler (16-mixed): PrecisionPolicy runs matmuls in fp16, NaNDetector leaves gradient
+   overflow to the scaler, training stays finite.
+3. bf16 Tensor Core path: the built-in table under 32-true runs matmuls in bf16.
+4. TorchCompile with the cudagraphs Inductor option trains without falling back.
+5. Overhead ratios on the GPU (benchmarks/overhead.py suites with --accelerator cuda).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from examples.vit import DigitsDataModule, ViTClassifier  # noqa: E402
+from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+
+
+def fit(callbacks: list[pl.Callback], steps: int, **kwargs) -> pl.Trainer:
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(default_root_dir=root, accelerator="cuda", devices=1, max_steps=steps,
+                             callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, **kwargs)
+        torch.manual_seed(0)
+        trainer.fit(ViTClassifier(), DigitsDataModule())
+        return trainer
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (these checks need a GPU)")
+        return 0
+    print(torch.cuda.get_device_name(), torch.__version__)
+    ok = True
+
+    prof = ProfilerWindows(every_n_steps=4, warmup=1, active=2)
+    fit([prof], 8)
+    report = prof.last_report
+    device_classes = {c: round(us / 1e3 / report.steps, 3) for c, us in report.class_self_us.items() if us > 0}
+    print("1. CUDA profiler: device self ms/step by class", device_classes)
+    ok &= bool(report and report.class_self_us.get("matmul", 0) > 0)
+
+    policy = PrecisionPolicy(rules={"matmul": "fp16"}, census_every_n_steps=5)
+    detector = NaNDetector(action="raise")
+    trainer = fit([policy, detector], 20, precision="16-mixed")
+    finite = all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+    print("2. fp16 + GradScaler:", {k: v["calls"] for k, v in policy.census.items()}, "finite:", finite,
+          "events:", len(detector.events), "scale:", trainer.precision_plugin.scaler.get_scale())
+    ok &= finite and ("matmul", "fp16") in policy.census
+
+    policy = PrecisionPolicy(census_every_n_steps=5)
+    fit([policy], 10, precision="32-true")
+    print("3. bf16 Tensor Cores under 32-true:", sorted(policy.census))
+    ok &= ("matmul", "bf16") in policy.census
+
+    compiler = TorchCompile(modules=["model.blocks.*"], options={"triton.cudagraphs": True})
+    fit([compiler], 15)
+    print("4. cudagraphs:", "fallback: " + str(compiler.error), "compiles:", compiler.watch.compiles,
+          "graph breaks:", compiler.watch.graph_breaks())
+    ok &= compiler.error is None and compiler.watch.compiles >= 1
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overhead.py")
+    for suite in ("nan", "precision", "profiler", "compile"):
+        subprocess.run([sys.executable, script, "--suite", suite, "--accelerator", "cuda", "--reps", "3",
+                        "--steps", "60"], check=False)
+    print("ALL GPU CHECKS PASSED" if ok else "SOME GPU CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
