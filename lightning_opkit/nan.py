@@ -174,6 +174,10 @@ class NaNDetector(Callback):
             resolve_modules(pl_module, self.modules) if self.modules is not None else list(pl_module.named_modules())
         )
         self._writer = TensorBoardWriter(trainer)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Patched only now, after Lightning has validated the schedulers against the user's own methods.
         original = pl_module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
@@ -219,9 +220,12 @@ class PrecisionPolicy(Callback):
             self._patches.hold(module.register_forward_pre_hook(self._push(dtype)))
             self._patches.hold(module.register_forward_hook(self._pop, always_call=True))
         for method in _STEP_METHODS:
-            original = getattr(pl_module, method, None)
-            if original is not None:
-                self._patches.set(pl_module, method, self._wrap(trainer, original, method == "training_step"))
+            # Lightning runs a validation/test loop only if the user overrode its step: a wrapper must not look like
+            # an override of a method the user never wrote (predict_step's default does run, so it is governed).
+            if method in ("validation_step", "test_step") and not is_overridden(method, pl_module):
+                continue
+            original = getattr(pl_module, method)
+            self._patches.set(pl_module, method, self._wrap(trainer, original, method == "training_step"))
         self._writer = TensorBoardWriter(trainer)
         rows = [[cls, self.table[cls]] for cls in OP_CLASSES] + [[f"module {k}", v] for k, v in self.modules.items()]
         self._writer.table("opkit/precision/policy", ["op class / module", "dtype"], rows, trainer.global_step)

@@ -220,3 +220,18 @@ def test_bad_config(kwargs, match):
 def test_module_glob_matching_nothing_fails_at_setup(tmp_path):
     with pytest.raises(ValueError, match=r"'heads'.*'head'"):
         trainer(tmp_path, [PrecisionPolicy(modules={"heads": "fp32"})], max_steps=1).fit(Probe(), make_loader())
+
+
+def test_does_not_invent_a_validation_step(tmp_path):
+    # Probe has no validation_step: with a val dataloader, Lightning must still see none and skip validation.
+    seen = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(trainer.enable_validation)
+
+    model = Probe()
+    t = trainer(tmp_path, [PrecisionPolicy(), Spy()], max_steps=2, limit_val_batches=1, val_check_interval=1)
+    t.fit(model, make_loader(), make_loader(n=8))
+    assert seen == [False, False] and "validation_step" not in vars(model)
+    assert t.fit_loop.epoch_loop.val_loop.batch_progress.total.completed == 0
