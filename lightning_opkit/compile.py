@@ -224,4 +224,5 @@ class TorchCompile(Callback):
         steady = self.step_times_s
         if steady and (final or len(steady) % max(1, trainer.log_every_n_steps) == 0):
             writer.scalar("opkit/compile/step_time_ms", 1e3 * statistics.median(steady[-100:]), step)
-        writer.flush() if final else None
+        if final:
+            writer.flush()
