@@ -117,6 +117,7 @@ class TorchCompile(Callback):
         self._compiles_at_start = 0
         self._reported: tuple[int, int, int] = (-1, -1, -1)
         self._warned_idle = False
+        self._hook_guards: Any = None
 
     # lifecycle
 
@@ -131,6 +132,10 @@ class TorchCompile(Callback):
             compiled = torch.compile(module._call_impl, **kwargs)
             self._patches.set(module, "_compiled_call_impl", self._guard(trainer, module, compiled))
         self.compiled = [name for name, _ in targets]
+        # Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the class)
+        # was compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
+        self._hook_guards = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+        self._hook_guards.__enter__()
         self.watch.open()
         self._writer = TensorBoardWriter(trainer)
         self._writer.text("opkit/compile/config", markdown_table(
@@ -176,6 +181,9 @@ class TorchCompile(Callback):
             self._writer = None
         self._patches.restore()
         self.watch.close()
+        if self._hook_guards is not None:
+            self._hook_guards.__exit__(None, None, None)
+            self._hook_guards = None
 
     # observability
 

@@ -244,3 +244,20 @@ def test_policy_module_override_hooks_apply_inside_compiled_regions(tmp_path):
     trainer(tmp_path, [cb, policy], max_steps=2).fit(model, make_loader())
     assert seen_in_graph[model.blocks[0].fc] == torch.float32 and seen_in_graph[model.blocks[1].fc] == torch.bfloat16
     assert seen["fc0"] == torch.float32 and cb.watch.frames >= 1 and not cb.watch.graph_breaks()
+
+
+def test_hooks_added_after_compilation_are_honoured(tmp_path):
+    # Dynamo's default would keep running the graph compiled before the hook existed.
+    calls = []
+    model = Blocks(depth=2)
+    cb = TorchCompile(modules=["blocks.*"], backend="eager")
+    t = trainer(tmp_path, [cb], max_steps=4)
+
+    class AddHookMidway(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                pl_module.blocks[1].fc.register_forward_hook(lambda m, a, o: calls.append(trainer.global_step))
+
+    t.callbacks.append(AddHookMidway())
+    t.fit(model, make_loader())
+    assert calls == [2, 3] and torch._dynamo.config.skip_nnmodule_hook_guards is True  # restored after fit
