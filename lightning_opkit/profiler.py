@@ -49,8 +49,6 @@ def window_phase(batch: int, every_n_steps: int, warmup: int, active: int) -> tu
 @dataclass
 class _Window:
     prof: Any
-    index: int
-    start_batch: int
     step_times: list[float] = field(default_factory=list)
     batch_t0: float | None = None
     ready: bool = False
@@ -176,9 +174,9 @@ class ProfilerWindows(Callback):
         self.batches_seen += 1
         if not self._enabled:
             return
-        index, phase = window_phase(batch_no, self.every_n_steps, self.warmup, self.active)
+        _, phase = window_phase(batch_no, self.every_n_steps, self.warmup, self.active)
         if self._window is None and batch_no > 0 and batch_no % self.every_n_steps == 0:
-            self._open(index, batch_no)
+            self._open()
         window = self._window
         if window is not None and phase == "active":
             _sync()
@@ -214,12 +212,12 @@ class ProfilerWindows(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(trainer, partial=True)
 
-    def _open(self, index: int, batch_no: int) -> None:
+    def _open(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.reset_peak_memory_stats()
-        window = _Window(None, index, batch_no)
+        window = _Window(None)
 
         def ready(_: Any) -> None:
             window.ready = True
@@ -242,8 +240,6 @@ class ProfilerWindows(Callback):
         window, self._window = self._window, None
         if window is None:
             return
-        if window.batch_t0 is not None:  # cut inside a step (an exception): that step is not counted
-            window.batch_t0 = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a cut window is "RECORD followed by NONE" to torch
             window.prof.stop()

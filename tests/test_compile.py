@@ -218,12 +218,6 @@ def test_policy_module_override_hooks_apply_inside_compiled_regions(tmp_path):
     seen = {}
 
     class Probe(Blocks):
-        def forward(self, x):
-            x = self.inp(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x)
-
         def training_step(self, batch, batch_idx):
             x, y = batch
             h = self.blocks[0].fc(self.blocks[0].norm(self.inp(x)))
