@@ -184,7 +184,8 @@ class PrecisionPolicy(Callback):
         self._funcs: dict[Any, tuple[str, bool]] = {}
         self._module_stack: list[torch.dtype | None] = []
         self._autocast_devices: list[str] = []
-        self._census: _Census | None = None
+        self._census: _Census | None = None  # recording now
+        self._census_done: _Census | None = None  # recorded this batch, logged at its end
         self._census_step = False
         self._mode = _PolicyMode(self)
         self._patches = Patches()
@@ -251,7 +252,7 @@ class PrecisionPolicy(Callback):
     def _detach(self) -> None:
         self._patches.restore()
         self._module_stack.clear()
-        self._census = None
+        self._census = self._census_done = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -270,10 +271,17 @@ class PrecisionPolicy(Callback):
         def run_step(*args: Any, **kwargs: Any) -> Any:
             self._module_stack.clear()
             self._autocast_devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
-            if is_training and self._census_step and self._census is None:
-                self._census = _Census()
-            with self._mode:
-                return step(*args, **kwargs)
+            census = None
+            if is_training and self._census_step:
+                # Only the batch's own step is counted, not a NaNDetector replay of it.
+                self._census_step = False
+                census = self._census = _Census()
+            try:
+                with self._mode:
+                    return step(*args, **kwargs)
+            finally:
+                if census is not None:
+                    self._census, self._census_done = None, census
 
         return run_step
 
@@ -288,7 +296,7 @@ class PrecisionPolicy(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        census, self._census = self._census, None
+        census, self._census_done = self._census_done, None
         if census is None:
             return
         rows = census.rows()

@@ -235,3 +235,15 @@ def test_does_not_invent_a_validation_step(tmp_path):
     t.fit(model, make_loader(), make_loader(n=8))
     assert seen == [False, False] and "validation_step" not in vars(model)
     assert t.fit_loop.epoch_loop.val_loop.batch_progress.total.completed == 0
+
+
+def test_census_counts_a_step_once_even_when_nan_detector_replays_it(tmp_path):
+    from helpers import TinyNet
+
+    from lightning_opkit import NaNDetector
+
+    policy = PrecisionPolicy(rules={"matmul": "fp32"}, census_every_n_steps=2)
+    detector = NaNDetector(action="skip")
+    trainer(tmp_path, [policy, detector], max_steps=3).fit(TinyNet(forward_steps=(2,)), make_loader())
+    assert [e["step"] for e in detector.events] == [2]  # step 2 was replayed by the detector
+    assert policy.census[("matmul", "fp32")]["calls"] == 2  # body.0 and head, once each
