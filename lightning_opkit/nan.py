@@ -91,6 +91,31 @@ def _set_rng_state(state: tuple[Tensor, Any]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
+_BUCKET = 1 << 24  # elements per concatenated bucket on CPU: bounds the extra memory to 64 MiB of fp32
+
+
+def _all_finite(tensors: list[Tensor]) -> Tensor:
+    """Whether every element of every tensor is finite, as a 0-d bool tensor on the device (no host sync)."""
+    if tensors[0].is_cuda:
+        # One fused multi-tensor kernel on the GPU.
+        norms = torch._foreach_norm(tensors)
+        if len({n.dtype for n in norms}) > 1:
+            norms = [n.float() for n in norms]
+        return torch.stack(norms).isfinite().all()
+    # On CPU the foreach kernels loop over tensors, and each small reduction wakes the thread pool; a few
+    # concatenated buckets cost three kernels each instead.
+    flags, bucket, size = [], [], 0
+    for t in tensors:
+        bucket.append(t.reshape(-1))
+        size += t.numel()
+        if size >= _BUCKET:
+            flags.append(torch.cat(bucket).isfinite().all())
+            bucket, size = [], 0
+    if bucket:
+        flags.append(torch.cat(bucket).isfinite().all())  # cat promotes mixed dtypes; inf stays inf
+    return torch.stack(flags).all() if len(flags) > 1 else flags[0]
+
+
 class NaNDetector(Callback):
     """Detect NaN/Inf in the loss, the forward pass and the backward pass; name the first module that produced it.
 
@@ -244,14 +269,10 @@ class NaNDetector(Callback):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads = [g for g in grads if not g.is_sparse]
         device = losses[0].device if losses else grads[0].device if grads else pl_module.device
-        flags = torch.zeros(2, device=device)
-        if losses:
-            flags[0] = (~torch.stack([loss.float().reshape(()) for loss in losses]).isfinite()).any()
-        if self.check_backward and grads:
-            norms = torch._foreach_norm(grads)
-            if len({n.dtype for n in norms}) > 1:
-                norms = [n.float() for n in norms]
-            flags[1] = (~torch.stack(norms).isfinite()).any()
+        no = torch.zeros((), dtype=torch.bool, device=device)
+        loss_flag = ~torch.stack([loss.reshape(()) for loss in losses]).isfinite().all() if losses else no
+        grad_flag = ~_all_finite(grads) if self.check_backward and grads else no
+        flags = torch.stack([loss_flag, grad_flag]).float()
         if dist.is_available() and dist.is_initialized():
             # Every rank takes the same decision at the same step, so none waits in a collective alone.
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
