@@ -8,6 +8,7 @@ that computes the loss, and is tested without a Trainer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
+from torchmetrics import Metric
 
 from lightning_opkit._patch import Patches
 from lightning_opkit.opclass import classify_module
@@ -134,6 +136,16 @@ def _owner(param_name: str, named: dict[str, nn.Module]) -> tuple[str, nn.Module
     return path, named.get(path)
 
 
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    """What a torchmetrics ``update`` changes: states (copied: updates are in place) and bookkeeping."""
+    state = {k: copy.deepcopy(vars(metric)[k]) for k in metric._defaults if k in vars(metric)}
+    state.update({k: vars(metric)[k] for k in _METRIC_BOOKKEEPING if k in vars(metric)})
+    return state
+
+
 def replay(
     model: nn.Module,
     compute_loss: Callable[[], Tensor | None],
@@ -144,7 +156,8 @@ def replay(
 ) -> tuple[Recorder, Tensor | None]:
     """Run ``compute_loss`` with hooks attached, then backward to the parameters without touching ``.grad``.
 
-    Buffers (BatchNorm statistics) are restored afterwards, and the step runs eagerly even if parts of the model
+    Buffers (BatchNorm statistics) and torchmetrics states updated in the step are restored afterwards, so the
+    replay leaves no trace, and the step runs eagerly even if parts of the model
     are compiled, so the hooks fire and nothing is recompiled.
 
     Args:
@@ -159,6 +172,7 @@ def replay(
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    metrics = [(m, _metric_state(m)) for m in model.modules() if isinstance(m, Metric)]
     stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
     recorder = Recorder(modules, params, forward=forward, backward=backward)
     loss: Tensor | None = None
@@ -173,6 +187,8 @@ def replay(
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)
+        for metric, state in metrics:
+            vars(metric).update(state)
     return recorder, None if loss is None else loss.detach()
 
 

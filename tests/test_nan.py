@@ -244,3 +244,24 @@ def test_under_a_grad_scaler_gradient_overflow_is_left_to_the_scaler(tmp_path):
     with pytest.raises(NonFiniteError, match="loss"):
         trainer(tmp_path, [NaNDetector()], max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")]).fit(
             TinyNet(loss_steps=(2,)), make_loader())
+
+
+def test_replay_leaves_torchmetrics_and_logged_values_as_they_were(tmp_path):
+    from torchmetrics import MeanMetric
+
+    class Metered(TinyNet):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.seen = MeanMetric()
+
+        def training_step(self, batch, batch_idx):
+            self.seen.update(batch[0].abs().mean())
+            return super().training_step(batch, batch_idx)
+
+    model = Metered(forward_steps=(2,))
+    detector = NaNDetector(action="skip")
+    trainer(tmp_path, [detector], max_steps=4).fit(model, make_loader())
+    assert [e["step"] for e in detector.events] == [2]  # step 2 was replayed
+    assert model.seen._update_count == 4  # one update per real step, none from the replay
+    expected = torch.stack([b[0].abs().mean() for b, _ in zip(make_loader(), range(4))]).mean()
+    assert torch.allclose(model.seen.compute(), expected)
