@@ -70,6 +70,7 @@ class Recorder:
         params: ``(name, parameter)`` pairs whose gradients to record.
         forward: record forward outputs.
         backward: record module input-gradients and parameter gradients.
+        module_backward: with ``backward``, hook modules' backward too (parameters only when ``False``).
 
     Example:
         >>> rec = Recorder([("0", nn.Linear(2, 2))], [], forward=True, backward=False)  # doctest: +SKIP
@@ -79,6 +80,7 @@ class Recorder:
     params: list[tuple[str, nn.Parameter]]
     forward: bool = True
     backward: bool = True
+    module_backward: bool = True
     fwd: list[_Record] = field(default_factory=list)
     bwd: list[_Record] = field(default_factory=list)
     _patches: Patches = field(default_factory=Patches)
@@ -87,7 +89,7 @@ class Recorder:
         for path, module in self.modules:
             if self.forward:
                 self._patches.hold(module.register_forward_hook(self._forward_hook(path), with_kwargs=True))
-            if self.backward:
+            if self.backward and self.module_backward:
                 self._patches.hold(module.register_full_backward_hook(self._backward_hook(path)))
         if self.backward:
             for name, param in self.params:
@@ -153,6 +155,7 @@ def replay(
     modules: list[tuple[str, nn.Module]],
     forward: bool,
     backward: bool,
+    module_backward: bool = True,
 ) -> tuple[Recorder, Tensor | None]:
     """Run ``compute_loss`` with hooks attached, then backward to the parameters without touching ``.grad``.
 
@@ -166,6 +169,8 @@ def replay(
         modules: ``(path, module)`` pairs to hook.
         forward: record forward outputs.
         backward: record gradients.
+        module_backward: hook modules' backward as well as parameters (full backward hooks do not allow in-place
+            changes of a hooked module's output, as ``nn.ReLU(inplace=True)`` makes).
 
     Returns:
         The recorder and the replayed loss (detached), or ``None`` if the step returned no loss.
@@ -174,7 +179,7 @@ def replay(
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     metrics = [(m, _metric_state(m)) for m in model.modules() if isinstance(m, Metric)]
     stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
-    recorder = Recorder(modules, params, forward=forward, backward=backward)
+    recorder = Recorder(modules, params, forward=forward, backward=backward, module_backward=module_backward)
     loss: Tensor | None = None
     try:
         with stance or contextlib.nullcontext(), recorder, torch.enable_grad(), warnings.catch_warnings():

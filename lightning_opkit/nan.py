@@ -331,15 +331,26 @@ class NaNDetector(Callback):
             loss = out.get("loss") if isinstance(out, dict) else out
             return loss if isinstance(loss, Tensor) else None
 
+        recorder = loss = None
+        failure: Exception | None = None
         try:
-            recorder, loss = replay(pl_module, compute_loss, modules=self._hooked, forward=self.check_forward,
-                                    backward=self.check_backward)
-        except Exception as err:  # a hook the model does not allow (in-place on a hooked output, say)
-            warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {err}",
-                          stacklevel=2)
-            return None
+            # Full backward hooks refuse models that modify a hooked output in place (ReLU(inplace=True));
+            # then parameters alone are watched in backward.
+            for module_backward in (True, False):
+                try:
+                    recorder, loss = replay(pl_module, compute_loss, modules=self._hooked,
+                                            forward=self.check_forward, backward=self.check_backward,
+                                            module_backward=module_backward)
+                    break
+                except Exception as err:  # the user's step itself may fail too: report without a module
+                    failure = err
+                    _set_rng_state(micro.rng)
         finally:
             quiet.restore()
+        if recorder is None:
+            warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {failure}",
+                          stacklevel=2)
+            return None
         origin = recorder.forward_origin() if self.check_forward else None
         if origin is not None:
             return describe(origin, named, "forward")

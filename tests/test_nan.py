@@ -265,3 +265,24 @@ def test_replay_leaves_torchmetrics_and_logged_values_as_they_were(tmp_path):
     assert model.seen._update_count == 4  # one update per real step, none from the replay
     expected = torch.stack([b[0].abs().mean() for b, _ in zip(make_loader(), range(4))]).mean()
     assert torch.allclose(model.seen.compute(), expected)
+
+
+class InplaceNet(TinyNet):
+    """ReLU(inplace=True) on a Linear's output: full backward hooks on the Linear cannot be used in the replay."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body[2] = torch.nn.ReLU(inplace=True)
+
+
+@pytest.mark.parametrize("where", ["forward", "param_grad"])
+def test_replay_copes_with_inplace_modules(tmp_path, where):
+    kwargs, phase, module, parameter = INJECT[where]
+    # Poison sits between Linear and ReLU; move the in-place ReLU right after the Linear
+    model = InplaceNet(**kwargs)
+    model.body = torch.nn.Sequential(model.body[0], torch.nn.ReLU(inplace=True), model.body[1], model.body[3])
+    with pytest.raises(NonFiniteError) as info:
+        trainer(tmp_path, [NaNDetector()], max_steps=4).fit(model, make_loader())
+    report = info.value.report
+    expected_module = "body.2" if where == "forward" else module
+    assert (report["phase"], report["module"], report["parameter"]) == (phase, expected_module, parameter)
