@@ -43,9 +43,8 @@ class _BadGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        grad[..., 0] = ctx.value
-        return grad, None
+        # The whole gradient, not one column: a ReLU dead in that column for the batch would mask it.
+        return torch.full_like(grad, ctx.value), None
 
 
 class PoisonGrad(nn.Module):
