@@ -116,7 +116,8 @@ class TorchCompile(Callback):
         self._t0: float | None = None
         self._compiles_at_start = 0
         self._reported: tuple[int, int, int] = (-1, -1, -1)
-        self._warned_idle = False
+        self._checked_first_step = False
+        self._region_calls = 0
         self._hook_guards: Any = None
 
     # lifecycle
@@ -132,6 +133,7 @@ class TorchCompile(Callback):
             compiled = torch.compile(module._call_impl, **kwargs)
             self._patches.set(module, "_compiled_call_impl", self._guard(trainer, module, compiled))
         self.compiled = [name for name, _ in targets]
+        self._checked_first_step, self._region_calls = False, 0
         # Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the class)
         # was compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
         self._hook_guards = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
@@ -145,6 +147,7 @@ class TorchCompile(Callback):
     def _guard(self, trainer: pl.Trainer, module: torch.nn.Module,
                compiled: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            self._region_calls += 1
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as err:
@@ -199,13 +202,13 @@ class TorchCompile(Callback):
         if self._t0 is not None and self.watch.compiles == self._compiles_at_start and self.error is None:
             self.step_times_s.append(time.perf_counter() - self._t0)  # steady state: nothing compiled this step
         self._t0 = None
-        if not self._warned_idle and self.watch.frames == 0 and self.error is None:
-            self._warned_idle = True
-            warnings.warn(
-                "TorchCompile: no compiled code ran in the first training step. With modules=None only the"
-                " LightningModule's forward is compiled, so training_step must call self(...); or name submodules"
-                " in `modules` (modules whose forward lives inside torch.nn, such as a bare nn.Linear, are not"
-                " compiled by dynamo).", stacklevel=2)
+        if not self._checked_first_step:
+            self._checked_first_step = True
+            if self._region_calls == 0 and self.error is None:
+                warnings.warn(
+                    "TorchCompile: no compiled region was called in the first training step. With modules=None only"
+                    " the LightningModule's forward is compiled, so training_step must call self(...); or name the"
+                    " submodules it does call in `modules`.", stacklevel=2)
         self._log(trainer, final=False)
 
     def _log(self, trainer: pl.Trainer, final: bool) -> None:

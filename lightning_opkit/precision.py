@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, Optional
@@ -276,8 +277,11 @@ class PrecisionPolicy(Callback):
                 # Only the batch's own step is counted, not a NaNDetector replay of it.
                 self._census_step = False
                 census = self._census = _Census()
+            # A census step runs eagerly even where TorchCompile compiled the model, so every op is counted;
+            # only census steps pay for that.
+            eager = torch.compiler.set_stance("force_eager") if census is not None else contextlib.nullcontext()
             try:
-                with self._mode:
+                with eager, self._mode:
                     return step(*args, **kwargs)
             finally:
                 if census is not None:

@@ -8,6 +8,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)
-def _seed():
-    # Tiny random models: a fixed seed keeps every test's model and data the same from run to run.
+def _seed_and_cold_dynamo():
+    # Tiny random models: a fixed seed keeps every test's model and data the same from run to run. Dynamo's cache
+    # is per code object, shared by every instance of a class: reset it so compile counts do not depend on order.
     torch.manual_seed(0)
+    torch._dynamo.reset()

@@ -134,9 +134,25 @@ def test_no_fallback_raises(tmp_path):
     assert snapshot(model) == before
 
 
-def test_warns_when_nothing_compiled_ran(tmp_path):
-    with pytest.warns(UserWarning, match="no compiled code ran"):
-        trainer(tmp_path, [TorchCompile(modules=["head"], backend="eager")], max_steps=1).fit(Blocks(), make_loader())
+def test_warns_when_no_compiled_region_is_called(tmp_path):
+    class Direct(Blocks):
+        def training_step(self, batch, batch_idx):  # never calls self(...), which is what modules=None compiles
+            x, y = batch
+            return F.cross_entropy(self.head(self.blocks[0](self.inp(x))), y)
+
+    with pytest.warns(UserWarning, match="no compiled region was called"):
+        trainer(tmp_path, [TorchCompile(backend="eager")], max_steps=1).fit(Direct(), make_loader())
+
+
+def test_no_such_warning_when_compiled_code_is_reused(tmp_path):
+    import warnings
+
+    cb = TorchCompile(modules=["blocks.*"], backend="eager")
+    trainer(tmp_path / "a", [cb], max_steps=2).fit(Blocks(), make_loader())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "b", [cb], max_steps=2).fit(Blocks(), make_loader())  # dynamo's cache is warm now
+    assert not [w for w in record if "TorchCompile" in str(w.message)]
 
 
 def test_inductor_compiles_for_real(tmp_path):
@@ -255,3 +271,12 @@ def test_hooks_added_after_compilation_are_honoured(tmp_path):
     t.callbacks.append(AddHookMidway())
     t.fit(model, make_loader())
     assert calls == [2, 3] and torch._dynamo.config.skip_nnmodule_hook_guards is True  # restored after fit
+
+
+def test_policy_census_counts_ops_inside_compiled_regions(tmp_path):
+    policy = PrecisionPolicy(census_every_n_steps=2)
+    cb = TorchCompile(modules=["blocks.*"], backend="eager")
+    trainer(tmp_path, [policy, cb], max_steps=4).fit(Blocks(depth=4), make_loader())
+    assert policy.census[("matmul", "bf16")]["calls"] == 6  # inp, four compiled blocks' fc, head
+    assert policy.census[("norm", "fp32")]["calls"] == 4 and cb.error is None
+    assert len(cb.watch.recompile_reasons) <= 1  # eager census steps do not churn the compiled code
