@@ -73,7 +73,11 @@ class Recorder:
         module_backward: with ``backward``, hook modules' backward too (parameters only when ``False``).
 
     Example:
-        >>> rec = Recorder([("0", nn.Linear(2, 2))], [], forward=True, backward=False)  # doctest: +SKIP
+        >>> layer = nn.Linear(2, 2)
+        >>> with Recorder([("0", layer)], [], forward=True, backward=False) as rec:
+        ...     _ = layer(torch.tensor([[float("nan"), 1.0]]))
+        >>> rec.forward_origin() is None  # its input was already non-finite: not the origin
+        True
     """
 
     modules: list[tuple[str, nn.Module]]

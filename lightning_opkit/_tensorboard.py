@@ -60,8 +60,12 @@ class TensorBoardWriter:
         trainer: the running trainer.
 
     Example:
-        >>> writer = TensorBoardWriter(trainer)  # doctest: +SKIP
-        >>> writer.scalar("opkit/nan/events", 1, step=10)  # doctest: +SKIP
+        >>> import tempfile
+        >>> writer = TensorBoardWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
+        >>> writer.scalar("opkit/nan/events", 1, step=10)
+        >>> writer.log_dir.endswith("opkit"), writer.active
+        (True, True)
+        >>> writer.close()
     """
 
     def __init__(self, trainer: pl.Trainer) -> None:

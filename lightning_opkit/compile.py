@@ -52,7 +52,10 @@ class TorchCompile(Callback):
         fallback: when compilation fails, warn once, log the error, and go on eagerly; ``False`` raises.
 
     Example:
-        >>> trainer = pl.Trainer(callbacks=[TorchCompile(modules=["model.blocks.*"])])  # doctest: +SKIP
+        >>> compiler = TorchCompile(modules=["model.blocks.*"], backend="aot_eager")
+        >>> trainer = pl.Trainer(callbacks=[compiler], logger=False)
+        >>> compiler.backend
+        'aot_eager'
     """
 
     def __init__(

@@ -122,7 +122,9 @@ class NaNDetector(Callback):
         max_consecutive_skips: with ``action="skip"``, raise once this many steps in a row were skipped.
 
     Example:
-        >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")])  # doctest: +SKIP
+        >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")], logger=False)
+        >>> [type(c).__name__ for c in trainer.callbacks if isinstance(c, NaNDetector)]
+        ['NaNDetector']
     """
 
     def __init__(

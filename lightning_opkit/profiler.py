@@ -80,7 +80,10 @@ class ProfilerWindows(Callback):
         span_validation: let a window stay open across a validation loop (default: validation closes it).
 
     Example:
-        >>> trainer = pl.Trainer(callbacks=[ProfilerWindows(every_n_steps=200, active=3)])  # doctest: +SKIP
+        >>> windows = ProfilerWindows(every_n_steps=200, active=3)
+        >>> trainer = pl.Trainer(callbacks=[windows], logger=False)
+        >>> window_phase(201, windows.every_n_steps, windows.warmup, windows.active)
+        (0, 'active')
     """
 
     def __init__(
