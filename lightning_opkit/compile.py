@@ -136,7 +136,7 @@ class TorchCompile(Callback):
             compiled = torch.compile(module._call_impl, **kwargs)
             self._patches.set(module, "_compiled_call_impl", self._guard(trainer, module, compiled))
         self.compiled = [name for name, _ in targets]
-        self._checked_first_step, self._region_calls = False, 0
+        self._checked_first_step, self._region_calls, self.error = False, 0, None
         # Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the class)
         # was compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
         self._hook_guards = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
