@@ -182,7 +182,7 @@ def classify_name(name: str) -> str:
     return _classify_plain(name)
 
 
-_FUNCTION_CACHE: dict[Any, str] = {}
+_FUNCTION_CACHE: dict[Any, tuple[str, bool]] = {}
 
 
 def _function_name(func: Callable[..., Any]) -> str:
@@ -196,8 +196,6 @@ def _function_name(func: Callable[..., Any]) -> str:
 def classify_function(func: Callable[..., Any]) -> str:
     """Classify a callable as a ``TorchFunctionMode`` receives it (``F.linear``, ``Tensor.__matmul__``, ...).
 
-    Results are cached per function object, so the lookup on a hot path is one dict access.
-
     Args:
         func: the ``func`` argument of ``__torch_function__``.
 
@@ -206,15 +204,7 @@ def classify_function(func: Callable[..., Any]) -> str:
         >>> classify_function(torch.nn.functional.gelu), classify_function(torch.Tensor.__matmul__)
         ('activation', 'matmul')
     """
-    try:
-        return _FUNCTION_CACHE[func]
-    except KeyError:
-        pass
-    except TypeError:  # unhashable callables
-        return classify_name(_function_name(func))
-    cls = classify_name(_function_name(func)) if _function_name(func) else "other"
-    _FUNCTION_CACHE[func] = cls
-    return cls
+    return function_info(func)[0]
 
 
 def classify_module(module: nn.Module) -> str:
@@ -250,7 +240,7 @@ def classify_profiler_event(name: str) -> str:
 
 
 def function_info(func: Callable[..., Any]) -> tuple[str, bool]:
-    """``(op class, in-place?)`` of a torch function without touching any cache, safe to trace with dynamo.
+    """``(op class, in-place?)`` of a torch function, cached per function object (one dict access when hot).
 
     Args:
         func: the ``func`` argument of ``__torch_function__``.
@@ -260,6 +250,17 @@ def function_info(func: Callable[..., Any]) -> tuple[str, bool]:
         >>> function_info(torch.Tensor.add_)
         ('pointwise', True)
     """
+    try:
+        return _FUNCTION_CACHE[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callables
+        return _uncached_info(func)
+    info = _FUNCTION_CACHE[func] = _uncached_info(func)
+    return info
+
+
+def _uncached_info(func: Callable[..., Any]) -> tuple[str, bool]:
     name = _function_name(func)
     return (_classify_plain(name) if name else "other"), is_inplace(func)
 

@@ -77,7 +77,8 @@ class _Census:
 
 @torch._dynamo.assume_constant_result
 def _traced_function_info(func: Callable[..., Any]) -> tuple[str, bool]:
-    # Dynamo cannot trace str methods on a function's name; it runs this at trace time and keeps the result.
+    # Eagerly a plain cached lookup. Dynamo can neither trace str methods on a function's name nor guard on a
+    # cache that grows (it would recompile each time), so it runs this once at trace time and keeps the result.
     return function_info(func)
 
 
@@ -91,14 +92,7 @@ class _PolicyMode(TorchFunctionMode):
         kwargs = kwargs or {}
         policy = self.policy
         compiling = torch.compiler.is_compiling()
-        if compiling:
-            # Traced into the graph once: a cache here would be a guard that fails each time it grows.
-            cls, inplace = _traced_function_info(func)
-        else:
-            info = policy._funcs.get(func)
-            if info is None:
-                info = policy._funcs[func] = function_info(func)
-            cls, inplace = info
+        cls, inplace = _traced_function_info(func)
         if cls == "other":
             return func(*args, **kwargs)
         stack = policy._module_stack
@@ -182,7 +176,6 @@ class PrecisionPolicy(Callback):
         self.census: dict[tuple[str, str], dict[str, float]] = {}
 
         self._class_dtypes = {cls: DTYPES[name] for cls, name in table.items()}
-        self._funcs: dict[Any, tuple[str, bool]] = {}
         self._module_stack: list[torch.dtype | None] = []
         self._autocast_devices: list[str] = []
         self._census: _Census | None = None  # recording now
