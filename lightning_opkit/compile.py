@@ -14,6 +14,7 @@ import torch._dynamo
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_opkit._checks import check_bools, check_globs
 from lightning_opkit._dynamo_watch import DynamoWatch
 from lightning_opkit._modules import resolve_modules
 from lightning_opkit._patch import Patches
@@ -92,12 +93,8 @@ class TorchCompile(Callback):
                 if bad:
                     hints = {k: difflib.get_close_matches(k, known, n=3) for k in bad}
                     raise ValueError(f"Unknown Inductor option(s) {bad} in `options`; close valid names: {hints}")
-        if modules is not None and (not isinstance(modules, (list, tuple)) or not all(isinstance(m, str)
-                                                                                       for m in modules)):
-            raise ValueError(f"Expected `modules` to be a list of glob strings or None, but got {modules!r}")
-        for name, value in (("fullgraph", fullgraph), ("fallback", fallback)):
-            if not isinstance(value, bool):
-                raise ValueError(f"Expected `{name}` to be a bool, but got {value!r}")
+        check_globs("modules", modules)
+        check_bools(fullgraph=fullgraph, fallback=fallback)
         if dynamic is not None and not isinstance(dynamic, bool):
             raise ValueError(f"Expected `dynamic` to be True, False or None, but got {dynamic!r}")
         self.modules = list(modules) if modules is not None else None

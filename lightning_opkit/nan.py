@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_opkit._checks import check_bools, check_globs, check_int
 from lightning_opkit._modules import resolve_modules
 from lightning_opkit._nan_locate import describe, replay
 from lightning_opkit._patch import Patches
@@ -139,19 +140,12 @@ class NaNDetector(Callback):
     ) -> None:
         if action not in _ACTIONS:
             raise ValueError(f"Expected `action` to be one of {list(_ACTIONS)}, but got {action!r}")
-        for name, value in (("check_forward", check_forward), ("check_backward", check_backward),
-                            ("check_loss", check_loss)):
-            if not isinstance(value, bool):
-                raise ValueError(f"Expected `{name}` to be a bool, but got {value!r}")
+        check_bools(check_forward=check_forward, check_backward=check_backward, check_loss=check_loss)
         if not (check_forward or check_backward or check_loss):
             raise ValueError("At least one of `check_forward`, `check_backward`, `check_loss` must be True")
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-            raise ValueError(f"Expected `every_n_steps` to be an int >= 1, but got {every_n_steps!r}")
-        if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
-            raise ValueError(f"Expected `max_consecutive_skips` to be an int >= 1, but got {max_consecutive_skips!r}")
-        if modules is not None and (not isinstance(modules, (list, tuple)) or not all(
-                isinstance(m, str) for m in modules)):
-            raise ValueError(f"Expected `modules` to be a list of glob strings or None, but got {modules!r}")
+        check_int("every_n_steps", every_n_steps, 1)
+        check_int("max_consecutive_skips", max_consecutive_skips, 1)
+        check_globs("modules", modules)
         self.action = action
         self.check_forward = check_forward
         self.check_backward = check_backward

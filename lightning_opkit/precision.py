@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
+from lightning_opkit._checks import check_int
 from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
@@ -162,8 +163,7 @@ class PrecisionPolicy(Callback):
         for key, value in (modules or {}).items():
             if not isinstance(key, str) or value not in DTYPES:
                 raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
-        if not isinstance(census_every_n_steps, int) or census_every_n_steps < 0:
-            raise ValueError(f"Expected `census_every_n_steps` to be an int >= 0, but got {census_every_n_steps!r}")
+        check_int("census_every_n_steps", census_every_n_steps, 0)
         self.rules = dict(rules) if rules is not None else None
         self.default = default
         self.modules = dict(modules or {})

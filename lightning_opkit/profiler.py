@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_opkit._checks import check_int
 from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table, run_log_dir
 
@@ -104,8 +105,7 @@ class ProfilerWindows(Callback):
     ) -> None:
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
                                  ("top_k", top_k, 1), ("keep_traces", keep_traces, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"Expected `{name}` to be an int >= {low}, but got {value!r}")
+            check_int(name, value, low)
         if warmup + active > every_n_steps:
             raise ValueError(
                 f"A window of `warmup` + `active` = {warmup} + {active} steps does not fit in `every_n_steps`="

@@ -1,0 +1,57 @@
+"""Constructor-argument checks shared by the callbacks: errors name the argument, the value and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``low``.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        low: the smallest allowed value.
+
+    Example:
+        >>> check_int("top_k", 0, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `top_k` to be an int >= 1, but got 0
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"Expected `{name}` to be an int >= {low}, but got {value!r}")
+
+
+def check_bools(**values: Any) -> None:
+    """Raise for the first argument that is not a bool.
+
+    Args:
+        values: argument name -> what was passed.
+
+    Example:
+        >>> check_bools(fullgraph=True, fallback="yes")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `fallback` to be a bool, but got 'yes'
+    """
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"Expected `{name}` to be a bool, but got {value!r}")
+
+
+def check_globs(name: str, value: Any) -> None:
+    """Raise unless ``value`` is ``None`` or a list of glob strings.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+
+    Example:
+        >>> check_globs("modules", "blocks.*")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `modules` to be a list of glob strings or None, but got 'blocks.*'
+    """
+    if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
+        raise ValueError(f"Expected `{name}` to be a list of glob strings or None, but got {value!r}")
