@@ -41,7 +41,7 @@ def check_bools(**values: Any) -> None:
 
 
 def check_globs(name: str, value: Any) -> None:
-    """Raise unless ``value`` is ``None`` or a list of glob strings.
+    """Raise unless ``value`` is ``None`` or a non-empty list of glob strings.
 
     Args:
         name: the argument's name.
@@ -55,3 +55,5 @@ def check_globs(name: str, value: Any) -> None:
     """
     if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
         raise ValueError(f"Expected `{name}` to be a list of glob strings or None, but got {value!r}")
+    if value is not None and not value:
+        raise ValueError(f"`{name}` is an empty list, which would match no module; use None for the default")

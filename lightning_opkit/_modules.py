@@ -1,12 +1,65 @@
-"""Module-path patterns: fnmatch globs over ``named_modules()`` names."""
+"""Module-path patterns: globs over ``named_modules()`` names, matched one path component at a time."""
 
 from __future__ import annotations
 
 import difflib
-import fnmatch
+import functools
+import re
 from collections.abc import Iterable
 
 from torch import nn
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile(pattern: str) -> re.Pattern[str]:
+    # ``*`` and ``?`` stay inside one component (as in a path glob); ``**`` spans any number of components, none too.
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            before = i > 0 and pattern[i - 1] == "."
+            after = pattern.startswith(".", i + 2)
+            if before and out:
+                out.pop()  # the "." before "**" becomes optional with it
+            if after:
+                out.append(r"(?:\.[^.]+)*\." if before else r"(?:[^.]+\.)*")
+                i += 3
+            else:
+                out.append(r"(?:\..*)?" if before else r".*")
+                i += 2
+        elif pattern[i] == "*":
+            out.append(r"[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append(r"[^.]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def glob_match(name: str, pattern: str) -> bool:
+    """Whether module path ``name`` matches ``pattern``.
+
+    ``*`` matches within one dotted component, ``**`` any number of components (zero included), ``?`` one
+    character of a component, ``[...]`` a character set.
+
+    Args:
+        name: a module path such as ``"blocks.0.attn"``.
+        pattern: a glob such as ``"blocks.*"``.
+
+    Example:
+        >>> glob_match("blocks.0", "blocks.*"), glob_match("blocks.0.attn", "blocks.*")
+        (True, False)
+        >>> glob_match("blocks.0.attn", "blocks.**"), glob_match("model.blocks.0.attn", "**.attn")
+        (True, True)
+    """
+    return _compile(pattern).match(name) is not None
 
 
 def _close_names(pattern: str, names: list[str], n: int = 8) -> list[str]:
@@ -18,19 +71,20 @@ def _close_names(pattern: str, names: list[str], n: int = 8) -> list[str]:
 
 
 def resolve_modules(
-    model: nn.Module, patterns: Iterable[str], *, argument: str = "modules"
+    model: nn.Module, patterns: Iterable[str], *, argument: str = "modules", owner: str = ""
 ) -> list[tuple[str, nn.Module]]:
     """Return the ``(name, module)`` pairs whose path matches any glob, in ``named_modules()`` order.
 
-    The root module is named ``""`` and is matched only by ``""`` or ``"*"``.
+    The root module is named ``""`` and is matched only by ``""``, ``"*"`` or ``"**"``.
 
     Args:
         model: the module to search.
-        patterns: fnmatch globs such as ``"blocks.*.attn"``.
+        patterns: globs such as ``"blocks.*.attn"`` (see :func:`glob_match`).
         argument: the constructor argument the patterns came from, for the error message.
+        owner: the callback the argument belongs to, for the error message.
 
     Raises:
-        ValueError: a pattern matches no module; the message lists real names close to it.
+        ValueError: some patterns match no module; the message names all of them, each with real names close to it.
 
     Example:
         >>> from torch import nn
@@ -40,13 +94,16 @@ def resolve_modules(
     named = list(model.named_modules())
     names = [name for name, _ in named if name]
     patterns = list(patterns)
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in named):
-            raise ValueError(
-                f"`{argument}` pattern {pattern!r} matches no module of {type(model).__name__}."
-                f" Module names close to it: {_close_names(pattern, names)}"
-            )
-    return [(name, module) for name, module in named if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    bad = [p for p in patterns if not any(glob_match(name, p) for name, _ in named)]
+    if bad:
+        where = f"{owner}(`{argument}`)" if owner else f"`{argument}`"
+        details = "; ".join(f"{p!r} (close: {_close_names(p, names)})" for p in bad)
+        raise ValueError(
+            f"{where}: {len(bad)} pattern(s) match no module of {type(model).__name__}: {details}."
+            " `*` matches one path component, `**` any number; list the names with"
+            " `[n for n, _ in model.named_modules()]`."
+        )
+    return [(name, module) for name, module in named if any(glob_match(name, p) for p in patterns)]
 
 
 def match_rule(name: str, rules: dict[str, str]) -> str | None:
@@ -62,6 +119,6 @@ def match_rule(name: str, rules: dict[str, str]) -> str | None:
     """
     best: tuple[int, str] | None = None
     for pattern, value in rules.items():
-        if fnmatch.fnmatchcase(name, pattern) and (best is None or len(pattern) > best[0]):
+        if glob_match(name, pattern) and (best is None or len(pattern) > best[0]):
             best = (len(pattern), value)
     return None if best is None else best[1]

@@ -27,6 +27,59 @@ def _backends() -> list[str]:
     return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"})
 
 
+# What counts as "compilation failed" for `fallback`: the backend, dynamo itself, or (with fullgraph) a graph break.
+# A user's own error met while tracing (``TorchRuntimeError``, ``Observed*``) or a misuse (``UserError``) is not
+# one: it goes through untouched, with nothing switched to eager and nothing run twice.
+_COMPILE_FAILURES: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.BackendCompilerFailed,
+    torch._dynamo.exc.InternalTorchDynamoError,
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.InvalidBackend,
+    torch._dynamo.exc.UncapturedHigherOrderOpError,
+    torch._dynamo.exc.RecompileError,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
+
+
+def _check_options(backend: str, options: Any) -> None:
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"Expected `options` to be a dict of Inductor option names to values, but got {options!r}")
+    if backend in ("eager", "aot_eager"):
+        raise ValueError(f"`options` are read by the inductor backend only; backend={backend!r} would ignore"
+                         f" {sorted(options)}. Drop `options` or use backend='inductor'.")
+    if backend != "inductor":
+        return  # a third-party backend reads its own options
+    import difflib
+
+    import torch._inductor.config
+
+    defaults = torch._inductor.config.get_config_copy()
+    bad = [k for k in options if k not in defaults]
+    if bad:
+        hints = {k: difflib.get_close_matches(k, list(defaults), n=3) for k in bad}
+        raise ValueError(f"Unknown Inductor option(s) {bad} in `options`; close valid names: {hints}")
+    for key, value in options.items():
+        default = defaults[key]
+        if default is None or value is None:
+            continue
+        kind = type(default)
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, (int, float)) and not isinstance(value, bool) if kind in (int, float)
+            else isinstance(value, kind))
+        if not ok:
+            raise ValueError(f"`options[{key!r}]` is {value!r}; Inductor expects a {kind.__name__}"
+                             f" (default {default!r})")
+
+
+def _has_cached_code(compiled: Callable[..., Any]) -> bool:
+    # Compiled code from an earlier fit (dynamo's cache is per code object) runs without converting a new frame.
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    fn = getattr(compiled, "_torchdynamo_orig_callable", None)
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return code is not None and bool(_debug_get_cache_entry_list(code))
+
+
 def _outermost(named: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
     # ``blocks.*`` also matches ``blocks.0.attn``; compiling both would nest compiled regions.
     names = [n for n, _ in named]
@@ -81,18 +134,7 @@ class TorchCompile(Callback):
         if options is not None:
             if mode is not None:
                 raise ValueError("`mode` and `options` cannot both be set (torch.compile takes one or the other)")
-            if not isinstance(options, dict):
-                raise ValueError(f"Expected `options` to be a dict of Inductor options, but got {options!r}")
-            if backend == "inductor":
-                import difflib
-
-                import torch._inductor
-
-                known = torch._inductor.list_options()
-                bad = [k for k in options if k not in known]
-                if bad:
-                    hints = {k: difflib.get_close_matches(k, known, n=3) for k in bad}
-                    raise ValueError(f"Unknown Inductor option(s) {bad} in `options`; close valid names: {hints}")
+            _check_options(backend, options)
         check_globs("modules", modules)
         check_bools(fullgraph=fullgraph, fallback=fallback)
         if dynamic is not None and not isinstance(dynamic, bool):
@@ -116,8 +158,9 @@ class TorchCompile(Callback):
         self._t0: float | None = None
         self._compiles_at_start = 0
         self._reported: tuple[int, int, int] = (-1, -1, -1)
-        self._checked_first_step = False
-        self._region_calls = 0
+        self._batches = 0
+        self._checked_frames = False
+        self._compiled_fns: list[Callable[..., Any]] = []
         self._hook_guards: Any = None
 
     # lifecycle
@@ -126,14 +169,21 @@ class TorchCompile(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._patches:
             return  # validate/test inside fit reuse the compiled model
-        targets = [("", pl_module)] if self.modules is None else _outermost(resolve_modules(pl_module, self.modules))
+        targets = [("", pl_module)] if self.modules is None else _outermost(
+            resolve_modules(pl_module, self.modules, owner="TorchCompile"))
+        self._compiled_fns = []
         kwargs = dict(backend=self.backend, mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic,
                       options=self.options)
         for _, module in targets:
-            compiled = torch.compile(module._call_impl, **kwargs)
-            self._patches.set(module, "_compiled_call_impl", self._guard(trainer, module, compiled))
+            # ``forward`` itself, not ``_call_impl``: dynamo converts no frame of a compiled ``_call_impl`` (nor of
+            # ``nn.Module.compile()``) for torch.nn's own modules, whose code it skips; a compiled ``forward`` is
+            # traced for every module. The module's own hooks then run eagerly around the compiled region.
+            original = module.forward
+            compiled = torch.compile(original, **kwargs)
+            self._patches.set(module, "forward", self._guard(trainer, original, compiled))
+            self._compiled_fns.append(compiled)
         self.compiled = [name for name, _ in targets]
-        self._checked_first_step, self._region_calls, self.error = False, 0, None
+        self._batches, self._checked_frames, self.error = 0, False, None
         # Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the class)
         # was compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
         self._hook_guards = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
@@ -144,19 +194,18 @@ class TorchCompile(Callback):
             ["setting", "value"], [["compiled", ", ".join(n or "<LightningModule>" for n in self.compiled)],
                                    *[[k, v] for k, v in kwargs.items()]]), trainer.global_step)
 
-    def _guard(self, trainer: pl.Trainer, module: torch.nn.Module,
+    def _guard(self, trainer: pl.Trainer, original: Callable[..., Any],
                compiled: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._region_calls += 1
+        def forward(*args: Any, **kwargs: Any) -> Any:
             try:
                 return compiled(*args, **kwargs)
-            except torch._dynamo.exc.TorchDynamoException as err:
+            except _COMPILE_FAILURES as err:
                 if not self.fallback:
                     raise
                 self._fall_back(trainer, err)
-                return module._call_impl(*args, **kwargs)
+                return original(*args, **kwargs)
 
-        return call
+        return forward
 
     def _fall_back(self, trainer: pl.Trainer, err: BaseException) -> None:
         head = str(err).strip().split("\n\n")[0]  # dynamo appends pages of debugging hints after a blank line
@@ -202,14 +251,28 @@ class TorchCompile(Callback):
         if self._t0 is not None and self.watch.compiles == self._compiles_at_start and self.error is None:
             self.step_times_s.append(time.perf_counter() - self._t0)  # steady state: nothing compiled this step
         self._t0 = None
-        if not self._checked_first_step:
-            self._checked_first_step = True
-            if self._region_calls == 0 and self.error is None:
-                warnings.warn(
-                    "TorchCompile: no compiled region was called in the first training step. With modules=None only"
-                    " the LightningModule's forward is compiled, so training_step must call self(...); or name the"
-                    " submodules it does call in `modules`.", stacklevel=2)
+        self._batches += 1
+        if self._batches >= 2:
+            self._check_frames()
         self._log(trainer, final=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._batches:
+            self._check_frames()
+
+    def _check_frames(self) -> None:
+        # Judged by frames dynamo converted, not by calls into the wrapper, after two batches: a census or NaN
+        # replay runs a step eagerly on purpose.
+        if self._checked_frames:
+            return
+        self._checked_frames = True
+        if self.watch.frames == 0 and self.error is None and not any(map(_has_cached_code, self._compiled_fns)):
+            hint = ("With modules=None only the LightningModule's forward is compiled, so training_step must call"
+                    " self(...); or name the submodules it does call in `modules`." if self.modules is None else
+                    f"Are the modules {self.compiled} called in training_step?")
+            warnings.warn(f"TorchCompile: nothing was compiled in the first {self._batches} training step(s):"
+                          f" dynamo converted no frame. {hint}", stacklevel=2)
 
     def _log(self, trainer: pl.Trainer, final: bool) -> None:
         writer = self._writer

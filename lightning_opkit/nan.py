@@ -177,7 +177,7 @@ class NaNDetector(Callback):
             return
         self._detach(pl_module)
         self._hooked = (
-            resolve_modules(pl_module, self.modules) if self.modules is not None else list(pl_module.named_modules())
+            resolve_modules(pl_module, self.modules, owner="NaNDetector") if self.modules is not None else list(pl_module.named_modules())
         )
         self._writer = TensorBoardWriter(trainer)
 

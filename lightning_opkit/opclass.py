@@ -13,7 +13,7 @@ Anything unknown is ``"other"``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -39,6 +39,8 @@ OP_CLASSES: tuple[str, ...] = (
     "reduction",
     "pointwise",
     "embedding",
+    "rnn",
+    "copy",
     "other",
 )
 
@@ -52,7 +54,9 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
         "conv_transpose3d", "mkldnn_convolution", "cudnn_convolution", "slow_conv2d_forward",
         "_slow_conv2d_forward", "slow_conv3d_forward", "thnn_conv2d", "conv_depthwise2d",
-        "_conv_depthwise2d", "convolution_overrideable", "conv_tbc", "slow_conv_transpose2d",
+        "_conv_depthwise2d", "convolution_overrideable", "conv_tbc", "slow_conv_transpose2d", "slow_conv2d",
+        "_slow_conv2d", "slow_conv3d", "slow_conv_dilated2d", "slow_conv_dilated3d", "slow_conv_transpose3d",
+        "_nnpack_spatial_convolution", "mkldnn_convolution_backward", "cudnn_convolution_transpose",
     ),
     "attention": (
         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -98,9 +102,19 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "floor", "ceil", "round", "trunc", "frac", "masked_fill", "dropout", "native_dropout", "feature_dropout",
         "alpha_dropout", "bernoulli", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
         "logical_not", "isfinite", "isnan", "isinf", "nan_to_num", "xlogy", "hypot", "atan2", "lgamma",
-        "digamma", "mvlgamma", "heaviside", "copysign", "invert", "and", "or", "xor",
+        "digamma", "mvlgamma", "heaviside", "copysign", "invert", "and", "or", "xor", "tril", "triu",
     ),
     "embedding": ("embedding", "embedding_dense", "embedding_bag", "_embedding_bag", "embedding_renorm", "one_hot"),
+    "rnn": (
+        "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        "mkldnn_rnn_layer", "mkldnn_rnn", "_cudnn_rnn", "cudnn_rnn", "miopen_rnn", "_thnn_fused_lstm_cell",
+        "_thnn_fused_gru_cell", "quantized_lstm", "quantized_gru", "lstm_mps",
+    ),
+    # Casts and copies: data movement, never cast by the precision policy (that would change what they produce).
+    "copy": (
+        "copy", "_to_copy", "to", "clone", "contiguous", "_copy_from", "_copy_from_and_resize", "type_as",
+        "cat", "stack", "_foreach_copy", "double", "float", "half", "bfloat16",
+    ),
 }
 
 _NAME_TO_CLASS: dict[str, str] = {name: cls for cls, names in _NAMES.items() for name in names}
@@ -127,6 +141,7 @@ _MODULE_TYPES: tuple[tuple[tuple[type[nn.Module], ...], str], ...] = (
     ),
     ((nn.modules.loss._Loss,), "loss"),
     ((nn.Embedding, nn.EmbeddingBag), "embedding"),
+    ((nn.RNNBase, nn.RNNCellBase), "rnn"),
     ((nn.modules.dropout._DropoutNd,), "pointwise"),
 )
 
@@ -207,19 +222,44 @@ def classify_function(func: Callable[..., Any]) -> str:
     return function_info(func)[0]
 
 
-def classify_module(module: nn.Module) -> str:
-    """Classify an ``nn.Module`` by its type; containers and user modules are ``"other"``.
+# What a module runs, strongest first: a block that calls a GEMM and a GELU is a GEMM.
+_RUN_ORDER = ("attention", "conv", "matmul", "rnn", "embedding", "norm", "loss", "softmax", "activation")
+# Hand-written modules whose ops alone say little (an RMSNorm is pow, mean, rsqrt, mul), by their class name.
+_NAME_HINTS = (
+    (re.compile(r"norm", re.I), "norm"),
+    (re.compile(r"attention|attn", re.I), "attention"),
+    (re.compile(r"embed", re.I), "embedding"),
+    (re.compile(r"loss", re.I), "loss"),
+    (re.compile(r"gelu|relu|silu|swish|mish|activation", re.I), "activation"),
+)
+
+
+def classify_module(module: nn.Module, ops: Mapping[str, int] | None = None) -> str:
+    """Classify an ``nn.Module``: by its ``torch.nn`` type, else by the ops it ran itself, else by its class name.
 
     Args:
         module: any module.
+        ops: op class -> calls made directly inside this module (not in its submodules), when known; a module of a
+            library opkit does not know (Hugging Face's ``Conv1D`` runs ``addmm``) is then classified by what it ran.
 
     Example:
         >>> from torch import nn
         >>> classify_module(nn.LayerNorm(4)), classify_module(nn.Sequential())
         ('norm', 'other')
+        >>> class Conv1D(nn.Module): ...
+        >>> classify_module(Conv1D(), {"matmul": 1, "copy": 2}), classify_module(type("LlamaRMSNorm", (nn.Module,), {})())
+        ('matmul', 'norm')
     """
     for types, cls in _MODULE_TYPES:
         if isinstance(module, types):
+            return cls
+    if ops:
+        for cls in _RUN_ORDER:
+            if ops.get(cls):
+                return cls
+    name = type(module).__name__
+    for pattern, cls in _NAME_HINTS:
+        if pattern.search(name):
             return cls
     return "other"
 

@@ -207,7 +207,7 @@ class PrecisionPolicy(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
-        matched = resolve_modules(pl_module, self.modules, argument="modules") if self.modules else []
+        matched = resolve_modules(pl_module, self.modules, owner="PrecisionPolicy") if self.modules else []
         if stage == "fit":
             self._check_fp16(trainer, matched)
         for name, module in matched:
