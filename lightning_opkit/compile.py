@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs
 from lightning_opkit._dynamo_watch import DynamoWatch
+from lightning_opkit._modes import standing_aside
 from lightning_opkit._modules import resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
@@ -69,6 +70,17 @@ def _check_options(backend: str, options: Any) -> None:
         if not ok:
             raise ValueError(f"`options[{key!r}]` is {value!r}; Inductor expects a {kind.__name__}"
                              f" (default {default!r})")
+
+
+def _backend(name: str, mode: str | None, options: dict[str, Any] | None,
+             dynamic: bool | None) -> Callable[..., Any]:
+    # The backend as a callable (what torch.compile builds from a name, mode and options), wrapped so that opkit's
+    # precision mode stands aside while it compiles and while its code runs: the mode's casts are already in the graph.
+    if name == "inductor":
+        backend: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    else:
+        backend = torch._TorchCompileWrapper(name, mode, options, dynamic)
+    return standing_aside(backend)
 
 
 def _has_cached_code(compiled: Callable[..., Any]) -> bool:
@@ -174,12 +186,14 @@ class TorchCompile(Callback):
         self._compiled_fns = []
         kwargs = dict(backend=self.backend, mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic,
                       options=self.options)
+        compile_kwargs = dict(kwargs, backend=_backend(self.backend, self.mode, self.options, self.dynamic),
+                              mode=None, options=None)  # both given to the backend callable
         for _, module in targets:
             # ``forward`` itself, not ``_call_impl``: dynamo converts no frame of a compiled ``_call_impl`` (nor of
             # ``nn.Module.compile()``) for torch.nn's own modules, whose code it skips; a compiled ``forward`` is
             # traced for every module. The module's own hooks then run eagerly around the compiled region.
             original = module.forward
-            compiled = torch.compile(original, **kwargs)
+            compiled = torch.compile(original, **compile_kwargs)
             self._patches.set(module, "forward", self._guard(trainer, original, compiled))
             self._compiled_fns.append(compiled)
         self.compiled = [name for name, _ in targets]

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -17,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_opkit._checks import check_int
+from lightning_opkit._modes import _SUSPENDED
 from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
@@ -33,6 +35,9 @@ DEFAULT_RULES: dict[str, str] = {
     "matmul": "bf16", "conv": "bf16", "attention": "bf16", "activation": "bf16",
     "norm": "fp32", "softmax": "fp32", "loss": "fp32", "reduction": "fp32",
 }
+#: op classes the policy never casts: shape and bookkeeping ops, and casts and copies (casting their input first
+#: would change what they produce).
+_NEVER_CAST = ("other", "copy")
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _WARN_BITS = 4.0
 
@@ -83,6 +88,32 @@ def _traced_function_info(func: Callable[..., Any]) -> tuple[str, bool]:
     return function_info(func)
 
 
+# Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
+# temporary copy and the buffers would never change. They are cast for the op and the result is copied back.
+_UPDATED_ARGS: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {
+    F.batch_norm: ((1, 2), ("running_mean", "running_var")),
+    F.instance_norm: ((1, 2), ("running_mean", "running_var")),
+    torch.batch_norm: ((3, 4), ("running_mean", "running_var")),
+    torch.instance_norm: ((3, 4), ("running_mean", "running_var")),
+}
+
+
+def _cast_updated(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict, list]:
+    positions, names = _UPDATED_ARGS[func]
+    written: list[tuple[Tensor, Tensor]] = []
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
+            copy = value.to(dtype)
+            written.append((value, copy))
+            return copy
+        return value
+
+    args = tuple(cast(a) if i in positions else a for i, a in enumerate(args))
+    kwargs = {k: cast(v) if k in names else v for k, v in kwargs.items()}
+    return args, kwargs, written
+
+
 class _PolicyMode(TorchFunctionMode):
     def __init__(self, policy: PrecisionPolicy) -> None:
         super().__init__()
@@ -94,16 +125,24 @@ class _PolicyMode(TorchFunctionMode):
         policy = self.policy
         compiling = torch.compiler.is_compiling()
         cls, inplace = _traced_function_info(func)
-        if cls == "other":
+        if cls in _NEVER_CAST or _SUSPENDED[0]:
             return func(*args, **kwargs)
         stack = policy._module_stack
         dtype = stack[-1] if stack else policy._class_dtypes[cls]
         if dtype is None or inplace or "out" in kwargs:
             out = func(*args, **kwargs)
         else:
-            args = tuple(_cast(a, dtype) for a in args)
+            written: list[tuple[Tensor, Tensor]] = []
+            if func in _UPDATED_ARGS:
+                args, kwargs, written = _cast_updated(func, args, kwargs, dtype)
+            cast_args = tuple(_cast(a, dtype) for a in args)
             if kwargs:
                 kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+                if kwargs.get("inplace") and cast_args and cast_args[0] is not args[0]:
+                    # The op would write into our temporary cast, not the caller's tensor: out of place is the same
+                    # result, and aot_autograd mis-derives the backward of an in-place op on a cast.
+                    kwargs["inplace"] = False
+            args = cast_args
             if not policy._autocast_devices:
                 out = func(*args, **kwargs)
             elif compiling:
@@ -111,16 +150,45 @@ class _PolicyMode(TorchFunctionMode):
                 with torch.autocast(policy._autocast_devices[0], enabled=False):
                     out = func(*args, **kwargs)
             else:
-                # Same as the context manager above at a fraction of its Python cost, on every governed op.
+                # Same as the context manager above at a fraction of its Python cost, on every governed op; a region
+                # where the user turned autocast off stays off.
                 device = policy._autocast_devices[0]
-                torch.set_autocast_enabled(device, False)
+                enabled = torch.is_autocast_enabled(device)
+                if enabled:
+                    torch.set_autocast_enabled(device, False)
                 try:
                     out = func(*args, **kwargs)
                 finally:
-                    torch.set_autocast_enabled(device, True)
+                    if enabled:
+                        torch.set_autocast_enabled(device, True)
+            if written:
+                with torch.no_grad():
+                    for buffer, copy in written:
+                        buffer.copy_(copy)
         if not compiling and policy._census is not None:
             policy._census.record(cls, out)
         return out
+
+
+def _keep_out_of_dynamo_frames() -> None:
+    # Dynamo inlines the mode while tracing a compiled region, with ``func`` a constant of the call site. Between graph
+    # breaks it would also compile ``__torch_function__`` as a frame of its own, where the constant-folded op class
+    # ignores ``func`` and a graph traced for one op is replayed for another (``Tensor.dtype`` returning 3). Skipping
+    # that frame keeps the mode eager there and traced where it is inlined.
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(_PolicyMode.__torch_function__.__code__)
+
+
+def _match_weight_dtype(module: torch.nn.Module, args: tuple) -> tuple | None:
+    # nn.LSTM/GRU/RNN check in Python that their input has their weights' dtype before the op the policy governs
+    # runs; an input from a policy-cast op upstream (a bf16 GEMM) would fail that check.
+    weight = next(iter(module.parameters()), None)
+    if weight is None or not args or not isinstance(args[0], Tensor):
+        return None
+    if not args[0].is_floating_point() or args[0].dtype == weight.dtype:
+        return None
+    return (args[0].to(weight.dtype), *args[1:])
 
 
 class PrecisionPolicy(Callback):
@@ -153,15 +221,25 @@ class PrecisionPolicy(Callback):
         census_every_n_steps: int = 100,
     ) -> None:
         valid = list(DTYPES)
-        if default not in DTYPES:
+        governed = [c for c in OP_CLASSES if c not in _NEVER_CAST]
+        if not isinstance(default, str) or default not in DTYPES:
             raise ValueError(f"Expected `default` to be one of {valid}, but got {default!r}")
+        if rules is not None and not isinstance(rules, dict):
+            raise ValueError(f"Expected `rules` to be a dict of op class -> dtype (for example {{'matmul': 'bf16'}})"
+                             f" or None, but got {rules!r}")
         for key, value in (rules or {}).items():
-            if key not in OP_CLASSES:
-                raise ValueError(f"`rules` names unknown op class {key!r}; valid classes are {list(OP_CLASSES)}")
-            if value not in DTYPES:
+            if key in _NEVER_CAST:
+                raise ValueError(f"`rules` cannot set op class {key!r}: the policy never casts it. Valid classes are"
+                                 f" {governed}")
+            if not isinstance(key, str) or key not in OP_CLASSES:
+                raise ValueError(f"`rules` names unknown op class {key!r}; valid classes are {governed}")
+            if not isinstance(value, str) or value not in DTYPES:
                 raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {valid}")
+        if modules is not None and not isinstance(modules, dict):
+            raise ValueError(f"Expected `modules` to be a dict of module glob -> dtype (for example"
+                             f" {{'model.head': 'fp32'}}) or None, but got {modules!r}")
         for key, value in (modules or {}).items():
-            if not isinstance(key, str) or value not in DTYPES:
+            if not isinstance(key, str) or not isinstance(value, str) or value not in DTYPES:
                 raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
         check_int("census_every_n_steps", census_every_n_steps, 0)
         self.rules = dict(rules) if rules is not None else None
@@ -170,7 +248,7 @@ class PrecisionPolicy(Callback):
         self.census_every_n_steps = census_every_n_steps
         table = {cls: DEFAULT_RULES.get(cls, default) for cls in OP_CLASSES}
         table.update(self.rules or {})
-        table["other"] = "keep"  # shape and bookkeeping ops (view, size, ...) are never cast
+        table.update(dict.fromkeys(_NEVER_CAST, "keep"))
         self.table: dict[str, str] = table
         #: the last census: ``{(class, dtype name): {"calls", "absmax", "headroom_bits"}}``
         self.census: dict[tuple[str, str], dict[str, float]] = {}
@@ -197,7 +275,7 @@ class PrecisionPolicy(Callback):
             op_class: one of :data:`~lightning_opkit.opclass.OP_CLASSES`.
             module: a module path, or ``None`` for code outside any overridden module.
         """
-        if op_class == "other":
+        if op_class in _NEVER_CAST:
             return "keep"
         override_ = match_rule(module, self.modules) if module is not None else None
         return override_ if override_ is not None else self.table[op_class]
@@ -210,6 +288,10 @@ class PrecisionPolicy(Callback):
         matched = resolve_modules(pl_module, self.modules, owner="PrecisionPolicy") if self.modules else []
         if stage == "fit":
             self._check_fp16(trainer, matched)
+        _keep_out_of_dynamo_frames()
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.RNNBase):
+                self._patches.hold(module.register_forward_pre_hook(_match_weight_dtype))
         for name, module in matched:
             dtype = DTYPES[match_rule(name, self.modules)]  # type: ignore[index]
             self._patches.hold(module.register_forward_pre_hook(self._push(dtype)))

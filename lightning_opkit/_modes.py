@@ -1,0 +1,66 @@
+"""Let opkit's ``TorchFunctionMode`` stand aside while compiled code is built and run.
+
+Dynamo traces the precision policy's mode into each graph: the casts it decided are graph nodes. The graph then runs
+while the mode is still on the stack, and a backend that replays the graph through torch functions (the ``eager``
+backend's FX code, ``aot_autograd``'s retracing, Inductor's extern kernels) would meet the mode a second time, which
+decides again with the module stack of the moment, not the traced one: module overrides lost, dtypes mixed.
+``TorchCompile`` runs its backend's compilation and the compiled code inside :func:`suspended`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# A list, not a global int: the mode reads it in place on every op.
+_SUSPENDED = [0]
+
+
+def is_suspended() -> bool:
+    """Whether opkit's modes pass every call through untouched right now."""
+    return _SUSPENDED[0] > 0
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Inside, opkit's function modes pass every call through untouched (nests)."""
+    _SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED[0] -= 1
+
+
+def standing_aside(backend: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ``torch.compile`` backend so that its compilation and the code it returns run :func:`suspended`.
+
+    Args:
+        backend: a backend callable ``(graph_module, example_inputs) -> compiled``.
+
+    Example:
+        >>> import torch
+        >>> f = torch.compile(lambda x: x + 1, backend=standing_aside(torch._dynamo.lookup_backend("eager")))
+        >>> f(torch.zeros(1))
+        tensor([1.])
+    """
+
+    def compile_graph(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        with suspended():
+            compiled = backend(gm, example_inputs, **kwargs)
+
+        @functools.wraps(compiled)
+        def run(*args: Any) -> Any:
+            with suspended():
+                return compiled(*args)
+
+        if getattr(compiled, "_boxed_call", False):
+            run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    # What dynamo and torch read off a backend (its name in logs, Inductor's config, the reset of its caches).
+    for attr in ("compiler_name", "get_compiler_config", "reset"):
+        if hasattr(backend, attr):
+            setattr(compile_graph, attr, getattr(backend, attr))
+    return compile_graph
