@@ -10,36 +10,44 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torchmetrics import Metric
 
 from lightning_opkit._patch import Patches
-from lightning_opkit.opclass import classify_module
+from lightning_opkit.opclass import classify_function, classify_module
 
 
 def _floats(value: Any) -> list[Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
 
 
-def _stats(tensors: list[Tensor]) -> Tensor:
-    """``[any non-finite, nan count, inf count, finite min, finite max, finite abs-max]`` on the device."""
+def _stats(tensors: list[Tensor], masks_ok: bool = False) -> Tensor:
+    """``[bad, nan count, inf count, finite min, finite max, finite abs-max]`` on the device.
+
+    ``bad`` is any non-finite value; with ``masks_ok`` only NaN and ``+inf`` count, because ``-inf`` is how attention
+    masks say "never" (``nn.Transformer.generate_square_subsequent_mask``) and is finite in effect after a softmax.
+    """
     if not tensors:
         return torch.tensor([0.0, 0.0, 0.0, float("nan"), float("nan"), float("nan")])
     rows = []
     for t in tensors:
         t = t.detach().float()
         finite = t.isfinite()
+        nan = t.isnan()
+        bad = (nan | (t == torch.inf)) if masks_ok else ~finite
         rows.append(
             torch.stack(
                 [
-                    (~finite).any().float(),
-                    t.isnan().sum().float(),
+                    bad.any().float(),
+                    nan.sum().float(),
                     t.isinf().sum().float(),
                     torch.where(finite, t, torch.inf).amin(),
                     torch.where(finite, t, -torch.inf).amax(),
@@ -49,6 +57,20 @@ def _stats(tensors: list[Tensor]) -> Tensor:
         )
     s = torch.stack(rows)
     return torch.stack([s[:, 0].amax(), s[:, 1].sum(), s[:, 2].sum(), s[:, 3].amin(), s[:, 4].amax(), s[:, 5].amax()])
+
+
+class _OpsByModule(TorchFunctionMode):
+    """Counts the op classes each module runs itself (its innermost place on the module stack)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[nn.Module] = []
+        self.ops: dict[int, Counter[str]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.stack:
+            self.ops.setdefault(id(self.stack[-1]), Counter())[classify_function(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -87,10 +109,13 @@ class Recorder:
     module_backward: bool = True
     fwd: list[_Record] = field(default_factory=list)
     bwd: list[_Record] = field(default_factory=list)
+    ops: _OpsByModule = field(default_factory=_OpsByModule)
     _patches: Patches = field(default_factory=Patches)
 
     def __enter__(self) -> Recorder:
         for path, module in self.modules:
+            self._patches.hold(module.register_forward_pre_hook(self._enter_module))
+            self._patches.hold(module.register_forward_hook(self._leave_module, always_call=True))
             if self.forward:
                 self._patches.hold(module.register_forward_hook(self._forward_hook(path), with_kwargs=True))
             if self.backward and self.module_backward:
@@ -104,11 +129,25 @@ class Recorder:
     def __exit__(self, *exc: object) -> None:
         self._patches.restore()
 
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        self.ops.stack.append(module)
+
+    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.ops.stack and self.ops.stack[-1] is module:
+            self.ops.stack.pop()
+
+    def op_class(self, module: nn.Module | None) -> str:
+        """The op class of ``module``: its ``torch.nn`` type, else what it ran itself during the replay."""
+        if module is None:
+            return "other"
+        return classify_module(module, self.ops.ops.get(id(module)))
+
     def _forward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             outs = _floats(output)
             dtype = str(outs[0].dtype).replace("torch.", "") if outs else "-"
-            self.fwd.append(_Record("module", path, module, dtype, _stats(_floats((args, kwargs))), _stats(outs)))
+            self.fwd.append(_Record("module", path, module, dtype, _stats(_floats((args, kwargs)), masks_ok=True),
+                                    _stats(outs, masks_ok=True)))
 
         return hook
 
@@ -186,7 +225,7 @@ def replay(
     recorder = Recorder(modules, params, forward=forward, backward=backward, module_backward=module_backward)
     loss: Tensor | None = None
     try:
-        with stance or contextlib.nullcontext(), recorder, torch.enable_grad(), warnings.catch_warnings():
+        with stance or contextlib.nullcontext(), recorder, recorder.ops, torch.enable_grad(), warnings.catch_warnings():
             # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
             warnings.simplefilter("ignore", UserWarning)
             loss = compute_loss()
@@ -201,13 +240,15 @@ def replay(
     return recorder, None if loss is None else loss.detach()
 
 
-def describe(record: _Record, named: dict[str, nn.Module], phase: str) -> dict[str, Any]:
+def describe(record: _Record, named: dict[str, nn.Module], phase: str,
+             recorder: Recorder | None = None) -> dict[str, Any]:
     """Turn a record into the report fields of a module (or parameter) origin.
 
     Args:
         record: the origin found by a :class:`Recorder`.
         named: ``dict(model.named_modules())``.
         phase: ``"forward"`` or ``"backward"``.
+        recorder: the recorder of the replay, whose op counts classify modules of unknown types.
     """
     if record.kind == "param":
         path, module = _owner(record.name, named)
@@ -220,7 +261,8 @@ def describe(record: _Record, named: dict[str, nn.Module], phase: str) -> dict[s
         "phase": phase,
         "module": path,
         "module_type": type(module).__name__ if module is not None else "-",
-        "op_class": classify_module(module) if module is not None else "other",
+        "op_class": recorder.op_class(module) if recorder is not None else (
+            classify_module(module) if module is not None else "other"),
         "parameter": parameter,
         "dtype": record.dtype,
         "nan": int(out[1]),

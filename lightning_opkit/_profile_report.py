@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_opkit.opclass import OP_CLASSES, classify_profiler_event
+from lightning_opkit.opclass import OP_CLASSES, classify_profiler_event, is_framework_event
 
 
 @dataclass
@@ -31,12 +31,14 @@ class WindowReport:
     step_time_ms: float
     ops: list[OpRow] = field(default_factory=list)
     class_self_us: dict[str, float] = field(default_factory=dict)
+    #: self time of framework spans (profiler step, optimizer step's Python, data loading): the loop's overhead
+    framework_self_us: float = 0.0
     peak_memory_bytes: float | None = None
     flops: int = 0
 
     @property
     def total_self_us(self) -> float:
-        """All self time in the window: the denominator of every share."""
+        """All operator self time in the window (framework spans apart): the denominator of every share."""
         return sum(self.class_self_us.values())
 
     def class_percent(self) -> dict[str, float]:
@@ -54,9 +56,13 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
         use_device: rank by device (CUDA) self time instead of CPU self time.
     """
     ops = []
+    framework_us = 0.0
     for e in prof.key_averages():
         self_us = float(e.self_device_time_total if use_device else e.self_cpu_time_total)
         total_us = float(e.device_time_total if use_device else e.cpu_time_total)
+        if is_framework_event(e.key):
+            framework_us += self_us
+            continue
         ops.append(OpRow(e.key, classify_profiler_event(e.key), int(e.count), self_us, total_us, int(e.flops or 0)))
     ops.sort(key=lambda r: r.self_us, reverse=True)
     class_self = dict.fromkeys(OP_CLASSES, 0.0)
@@ -68,6 +74,7 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
         step_time_ms=1e3 * sum(step_times_s) / steps if steps else 0.0,
         ops=ops,
         class_self_us=class_self,
+        framework_self_us=framework_us,
         flops=sum(r.flops for r in ops),
     )
 

@@ -161,6 +161,9 @@ class NaNDetector(Callback):
         self._pending: list[_MicroBatch] = []
         self._checking = False
         self._skipped_this_batch = False
+        self._skip_optimizer_step = False
+        self._buffers: list[Tensor] = []
+        self._saved_buffers: list[Tensor] = []
         self._patches = Patches()
         self._writer: TensorBoardWriter | None = None
 
@@ -177,8 +180,11 @@ class NaNDetector(Callback):
             return
         self._detach(pl_module)
         self._hooked = (
-            resolve_modules(pl_module, self.modules, owner="NaNDetector") if self.modules is not None else list(pl_module.named_modules())
+            resolve_modules(pl_module, self.modules, owner="NaNDetector") if self.modules is not None
+            else list(pl_module.named_modules())
         )
+        self._buffers = [b for b in pl_module.buffers() if not b.is_sparse]
+        self._saved_buffers = []
         self._writer = TensorBoardWriter(trainer)
 
     @override
@@ -194,6 +200,44 @@ class NaNDetector(Callback):
             return original(scheduler, metric)
 
         self._patches.set(pl_module, "lr_scheduler_step", lr_scheduler_step)
+        for optimizer in trainer.optimizers:
+            self._patches.set(optimizer, "step", self._skippable(optimizer, optimizer.step))
+
+    def _skippable(self, optimizer: torch.optim.Optimizer, step: Any) -> Any:
+        # A skip is decided inside the closure (on_before_optimizer_step), after backward and before gradient
+        # clipping. Running the closure first lets the step itself be left out, rather than relying on every
+        # optimizer to ignore parameters without gradients (weight decay would still move them).
+        def skippable_step(closure: Any = None, **kwargs: Any) -> Any:
+            if closure is None:  # a GradScaler's step, after the precision plugin ran the closure itself
+                return self._skipped(optimizer) if self._skip_optimizer_step_pending() else step(**kwargs)
+            with torch.enable_grad():
+                result = closure()
+            if self._skip_optimizer_step_pending():
+                self._skipped(optimizer)
+                return result
+            pending = [result]
+
+            def closure_once_more() -> Any:
+                # The optimizer's own call gets the result already computed; LBFGS's later calls rerun the closure.
+                return pending.pop() if pending else closure()
+
+            return step(closure=closure_once_more, **kwargs)
+
+        if hasattr(step, "_wrapped_by_lr_sched"):
+            # torch's LR schedulers warn that optimizer.step was overridden unless the step they wrapped is marked.
+            skippable_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        return skippable_step
+
+    def _skip_optimizer_step_pending(self) -> bool:
+        pending, self._skip_optimizer_step = self._skip_optimizer_step, False
+        return pending
+
+    @staticmethod
+    def _skipped(optimizer: torch.optim.Optimizer) -> None:
+        # Gradients of a skipped step must not leak into the next one (with accumulation they would add up).
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -227,13 +271,27 @@ class NaNDetector(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._skipped_this_batch = False
+        self._skipped_this_batch = self._skip_optimizer_step = False
         self._checking = trainer.global_step % self.every_n_steps == 0
         if self._checking:
+            if not self._pending and self._buffers:
+                self._save_buffers()
             # References only: the batch and RNG state are what a replay needs to reproduce this micro-batch.
             self._pending.append(_MicroBatch(batch, batch_idx, _rng_state()))
         else:
             self._pending.clear()
+
+    def _save_buffers(self) -> None:
+        # BatchNorm statistics are written during the forward, before any check can run: a skipped step puts them
+        # back. One multi-tensor copy into storage allocated once, no host sync.
+        if len(self._saved_buffers) != len(self._buffers):
+            self._saved_buffers = [torch.empty_like(b) for b in self._buffers]
+        torch._foreach_copy_(self._saved_buffers, self._buffers)
+
+    def _restore_buffers(self) -> None:
+        if self._saved_buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._saved_buffers)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -334,7 +392,7 @@ class NaNDetector(Callback):
             return None
         origin = recorder.forward_origin() if self.check_forward else None
         if origin is not None:
-            return describe(origin, named, "forward")
+            return describe(origin, named, "forward", recorder)
         if loss is not None and not bool(loss.float().isfinite().all()):
             if self.check_loss or not self.check_forward:
                 nan, inf = int(loss.isnan().sum()), int(loss.isinf().sum())
@@ -342,7 +400,7 @@ class NaNDetector(Callback):
                         "op_class": "loss", "parameter": None, "dtype": str(loss.dtype).replace("torch.", ""),
                         "nan": nan, "inf": inf}
         origin = recorder.backward_origin() if self.check_backward else None
-        return describe(origin, named, "backward") if origin is not None else None
+        return describe(origin, named, "backward", recorder) if origin is not None else None
 
     def _act(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, report: dict[str, Any]) -> None:
         self.events.append(report)
@@ -353,10 +411,9 @@ class NaNDetector(Callback):
             self._log(trainer, report)
             raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
                                                 f" (max_consecutive_skips={self.max_consecutive_skips}).")
-        # Dropping the gradients makes the optimizer skip every parameter: no weight or optimizer state changes.
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
+        # The optimizer step itself is left out (see _skippable), and the buffers the bad forward wrote are put back.
+        self._skip_optimizer_step = True
+        self._restore_buffers()
         self._skipped_this_batch = True
         self.skipped_steps += 1
         self.consecutive_skips += 1

@@ -25,6 +25,7 @@ __all__ = [
     "classify_name",
     "classify_profiler_event",
     "function_info",
+    "is_framework_event",
     "is_inplace",
 ]
 
@@ -41,6 +42,7 @@ OP_CLASSES: tuple[str, ...] = (
     "embedding",
     "rnn",
     "copy",
+    "layout",
     "other",
 )
 
@@ -114,6 +116,16 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "copy": (
         "copy", "_to_copy", "to", "clone", "contiguous", "_copy_from", "_copy_from_and_resize", "type_as",
         "cat", "stack", "_foreach_copy", "double", "float", "half", "bfloat16",
+    ),
+    # Views, reshapes and allocations: no arithmetic, but on small models their dispatch time shows in profiles.
+    "layout": (
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "transpose", "t", "permute", "expand",
+        "expand_as", "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "narrow",
+        "unbind", "flatten", "unflatten", "detach", "alias", "lift_fresh", "resolve_conj", "resolve_neg",
+        "empty", "empty_strided", "empty_like", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like",
+        "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "arange", "view_as", "movedim",
+        "swapaxes", "contiguous_format", "index_select", "gather", "scatter", "index", "index_put", "repeat",
+        "repeat_interleave", "roll", "flip", "pad", "constant_pad_nd", "tensor_split", "diagonal", "tile",
     ),
 }
 
@@ -247,7 +259,8 @@ def classify_module(module: nn.Module, ops: Mapping[str, int] | None = None) -> 
         >>> classify_module(nn.LayerNorm(4)), classify_module(nn.Sequential())
         ('norm', 'other')
         >>> class Conv1D(nn.Module): ...
-        >>> classify_module(Conv1D(), {"matmul": 1, "copy": 2}), classify_module(type("LlamaRMSNorm", (nn.Module,), {})())
+        >>> class LlamaRMSNorm(nn.Module): ...
+        >>> classify_module(Conv1D(), {"matmul": 1, "copy": 2}), classify_module(LlamaRMSNorm())
         ('matmul', 'norm')
     """
     for types, cls in _MODULE_TYPES:
@@ -274,9 +287,32 @@ def classify_profiler_event(name: str) -> str:
         >>> classify_profiler_event("aten::convolution_backward")
         'conv'
     """
-    if name.startswith("ProfilerStep#") or name.startswith("Optimizer."):
+    if is_framework_event(name):
         return "other"
+    if name.endswith("AccumulateGrad"):  # ``torch::autograd::AccumulateGrad``: adds a gradient into ``.grad``
+        return "pointwise"
     return classify_name(name)
+
+
+# Spans that hold Python time of the training loop, not operators: the profiler step, the optimizer step (which in
+# Lightning holds the whole closure's Python time), data loading.
+_FRAMEWORK = re.compile(r"^(ProfilerStep#|ProfilerStep\*|Optimizer\.|enumerate\(DataLoader\)|_\w*DataLoaderIter|\[pl\]|"
+                        r"cudaDeviceSynchronize|cudaStreamSynchronize)")
+
+
+def is_framework_event(name: str) -> bool:
+    """Whether a profiler event is a framework span (profiler step, optimizer step, data loading), not an operator.
+
+    Its self time is the loop's Python overhead: reported apart, never mixed into the op-class shares.
+
+    Args:
+        name: the event's key.
+
+    Example:
+        >>> is_framework_event("Optimizer.step#AdamW.step"), is_framework_event("aten::mm")
+        (True, False)
+    """
+    return _FRAMEWORK.match(name) is not None
 
 
 def function_info(func: Callable[..., Any]) -> tuple[str, bool]:

@@ -37,7 +37,7 @@ DEFAULT_RULES: dict[str, str] = {
 }
 #: op classes the policy never casts: shape and bookkeeping ops, and casts and copies (casting their input first
 #: would change what they produce).
-_NEVER_CAST = ("other", "copy")
+_NEVER_CAST = ("other", "copy", "layout")
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _WARN_BITS = 4.0
 

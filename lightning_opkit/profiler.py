@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_opkit._checks import check_int
+from lightning_opkit._checks import check_bools, check_int
 from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table, run_log_dir
 
@@ -106,6 +106,9 @@ class ProfilerWindows(Callback):
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
                                  ("top_k", top_k, 1), ("keep_traces", keep_traces, 0)):
             check_int(name, value, low)
+        check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
+                    with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
+                    span_validation=span_validation)
         if warmup + active > every_n_steps:
             raise ValueError(
                 f"A window of `warmup` + `active` = {warmup} + {active} steps does not fit in `every_n_steps`="
@@ -127,6 +130,8 @@ class ProfilerWindows(Callback):
 
         self.windows_done = 0
         self.batches_seen = 0
+        #: trace exports that failed in this run (unwritable log dir, full disk): warned, logged, training went on
+        self.export_errors = 0
         #: paths of the traces written by this run, oldest first
         self.trace_files: list[str] = []
         #: the last window's report
@@ -153,6 +158,11 @@ class ProfilerWindows(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close(trainer, partial=True)
+        if stage == "fit":
+            # A new fit starts its schedule afresh (a checkpoint, loaded after setup, resumes it), and never deletes
+            # another run's traces through keep_traces.
+            self.windows_done = self.batches_seen = self.export_errors = 0
+            self.trace_files = []
         self._writer = TensorBoardWriter(trainer)
         self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
         self._enabled = self.all_ranks or trainer.is_global_zero
@@ -250,7 +260,10 @@ class ProfilerWindows(Callback):
             if window.step_times:
                 self._report(trainer, window, partial)
         finally:
-            window.prof = None  # release the profiler and its events
+            # A finished profile sits in reference cycles (its action map holds its own bound methods) with all its
+            # events until a full garbage collection: about 2 MB a window. Emptying it frees them now.
+            vars(window.prof).clear()
+            window.prof = None
 
     def _report(self, trainer: pl.Trainer, window: _Window, partial: bool) -> None:
         cuda = torch.profiler.ProfilerActivity.CUDA in (window.prof.activities or [])
@@ -261,7 +274,16 @@ class ProfilerWindows(Callback):
         self.windows_done += 1
         self.last_report = report
         step = trainer.global_step
-        export_s = self._export(trainer, window, step) if self.export_trace else None
+        export_s = None
+        if self.export_trace:
+            try:
+                export_s = self._export(trainer, window, step)
+            except Exception as err:  # a trace is not worth the run: unwritable dir, full disk, ...
+                self.export_errors += 1
+                warnings.warn(f"ProfilerWindows: could not write the trace of the window at step {step} to"
+                              f" {self._trace_dir!r} ({type(err).__name__}: {err}); training goes on.", stacklevel=2)
+                if self._writer is not None:
+                    self._writer.scalar("opkit/profiler/export_errors", self.export_errors, step)
         self._log(report, step, export_s, partial)
 
     def _export(self, trainer: pl.Trainer, window: _Window, step: int) -> float:
@@ -289,6 +311,7 @@ class ProfilerWindows(Callback):
         for cls, us in report.class_self_us.items():
             writer.scalar(f"opkit/profiler/{cls}/self_ms", us / 1e3 / report.steps, step)
             writer.scalar(f"opkit/profiler/{cls}/percent", percent[cls], step)
+        writer.scalar("opkit/profiler/framework_ms", report.framework_self_us / 1e3 / report.steps, step)
         if report.peak_memory_bytes is not None:
             writer.scalar("opkit/profiler/peak_memory_mb", report.peak_memory_bytes / 2**20, step)
         seconds = report.step_time_ms * report.steps / 1e3

@@ -149,3 +149,65 @@ def snapshot(module: nn.Module) -> dict:
     return {"hooks": hooks, "params": params, "keys": list(module.state_dict().keys()),
             "modes": torch.overrides._get_current_function_mode_stack() if hasattr(
                 torch.overrides, "_get_current_function_mode_stack") else None}
+
+
+def full_state(trainer, pl_module) -> dict:
+    """Everything a training step may change: parameters, buffers, optimizer state, learning rates."""
+
+    def clone(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if isinstance(value, dict):
+            return {k: clone(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(clone(v) for v in value)
+        return value
+
+    return {
+        "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in pl_module.named_buffers()},
+        "optim": [clone(opt.state_dict()) for opt in trainer.optimizers],
+        "lr": [g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
+    }
+
+
+def same_state(a, b) -> list[str]:
+    """Names of what differs (bit for bit) between two :func:`full_state` results."""
+
+    def walk(x, y, path):
+        if isinstance(x, torch.Tensor):
+            return [] if isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(
+                x.nan_to_num(1234.5), y.nan_to_num(1234.5)) else [path]
+        if isinstance(x, dict):
+            if set(x) != set(y):
+                return [path]
+            return [d for k in x for d in walk(x[k], y[k], f"{path}.{k}")]
+        if isinstance(x, (list, tuple)):
+            if len(x) != len(y):
+                return [path]
+            return [d for i, (u, v) in enumerate(zip(x, y)) for d in walk(u, v, f"{path}[{i}]")]
+        return [] if x == y else [path]
+
+    return walk(a, b, "state")
+
+
+class StepProbe(pl.Callback):
+    """Records the full state before and after the chosen global steps, and the loss of every step."""
+
+    def __init__(self, steps=()):
+        self.steps = set(steps)
+        self.before: dict[int, dict] = {}
+        self.after: dict[int, dict] = {}
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.steps:
+            self.before[trainer.global_step] = full_state(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step - 1  # the step that just ran
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses[step] = float(loss)
+        if step in self.steps:
+            self.after[step] = full_state(trainer, pl_module)

@@ -91,7 +91,7 @@ def test_module_view(name):
         ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
         ("NativeLayerNormBackward0", "norm"), ("MmBackward0", "matmul"), ("LogSoftmaxBackward0", "softmax"),
         ("autograd::engine::evaluate_function: AddmmBackward0", "matmul"), ("aten::add_", "pointwise"),
-        ("aten::view", "other"), ("ProfilerStep#3", "other"), ("Optimizer.step#AdamW.step", "other"),
+        ("aten::view", "layout"), ("ProfilerStep#3", "other"), ("Optimizer.step#AdamW.step", "other"),
         ("aten::_foreach_mul_", "pointwise"),
     ],
 )
@@ -109,7 +109,7 @@ def test_backward_ops_are_classified_from_a_real_trace():
 
 
 def test_every_class_is_known_and_unknown_is_other():
-    assert OP_CLASSES[-1] == "other" and len(set(OP_CLASSES)) == 13
+    assert OP_CLASSES[-1] == "other" and len(set(OP_CLASSES)) == 14
     assert classify_name("definitely_not_an_op") == "other"
     assert classify_function(torch.Tensor.view) == "other"
     assert classify_module(nn.Sequential()) == "other"

@@ -240,31 +240,30 @@ class ZooModule(pl.LightningModule):
 
     Args:
         case: the zoo case (or its name).
-        fault: ``None`` or ``(kind, step)`` with kind ``"forward"`` (NaN written into the output of ``case.deep``),
-            ``"backward"`` (NaN gradient out of ``case.deep``), ``"param"`` (NaN gradient of ``case.param``) or
+        faults: kind -> global step, kinds ``"forward"`` (NaN written into the output of ``case.deep``),
+            ``"backward"`` (NaN gradient out of ``case.deep``), ``"param"`` (NaN gradient of ``case.param``) and
             ``"loss"`` (NaN loss); injected by hooks the model owns from construction on, so opkit's before/after
             snapshots see them on both sides.
     """
 
-    def __init__(self, case: Case | str, fault: tuple[str, int] | None = None, lr: float = 1e-2) -> None:
+    def __init__(self, case: Case | str, faults: dict[str, int] | None = None, lr: float = 1e-2) -> None:
         super().__init__()
         self.case = CASES[case] if isinstance(case, str) else case
         self.model = self.case.build()
-        self.fault = fault
+        self.faults = dict(faults or {})
         self.lr = lr
-        if fault is not None and fault[0] in ("forward", "backward"):
+        if {"forward", "backward"} & set(self.faults):
             self.model.get_submodule(self.case.deep).register_forward_hook(self._poison_output)
-        if fault is not None and fault[0] == "param":
+        if "param" in self.faults:
             self.model.get_parameter(self.case.param).register_hook(self._poison_grad)
 
     def _hit(self, kind: str) -> bool:
-        return self.fault is not None and self.fault[0] == kind and self.global_step == self.fault[1] \
-            and self.training
+        return self.faults.get(kind) == self.global_step and self.training
 
     def _poison_output(self, module, args, output):
         if self._hit("forward"):
-            out = _first_float(output).clone()
-            out.view(-1)[0] = math.nan
+            out = _first_float(output).clone(memory_format=torch.contiguous_format)
+            out.view(-1)[-1] = math.nan  # the last element: a sequence model reads the last step
             return _replace_first(output, out)
         if self._hit("backward"):
             return _replace_first(output, _PoisonGrad.apply(_first_float(output)))
@@ -288,7 +287,7 @@ class ZooModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def loader(self, n: int = 24, seed: int = 0) -> DataLoader:
+    def loader(self, n: int = 48, seed: int = 0) -> DataLoader:
         return self.case.data(n, seed)
 
 
