@@ -64,9 +64,14 @@ def _check_options(backend: str, options: Any) -> None:
         if default is None or value is None:
             continue
         kind = type(default)
-        ok = isinstance(value, bool) if kind is bool else (
-            isinstance(value, (int, float)) and not isinstance(value, bool) if kind in (int, float)
-            else isinstance(value, kind))
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
         if not ok:
             raise ValueError(f"`options[{key!r}]` is {value!r}; Inductor expects a {kind.__name__}"
                              f" (default {default!r})")
@@ -281,12 +286,20 @@ class TorchCompile(Callback):
         if self._checked_frames:
             return
         self._checked_frames = True
-        if self.watch.frames == 0 and self.error is None and not any(map(_has_cached_code, self._compiled_fns)):
+        if self.error is not None:
+            return
+        watch = self.watch
+        if watch.frames == 0 and not any(map(_has_cached_code, self._compiled_fns)):
             hint = ("With modules=None only the LightningModule's forward is compiled, so training_step must call"
                     " self(...); or name the submodules it does call in `modules`." if self.modules is None else
                     f"Are the modules {self.compiled} called in training_step?")
             warnings.warn(f"TorchCompile: nothing was compiled in the first {self._batches} training step(s):"
                           f" dynamo converted no frame. {hint}", stacklevel=2)
+        elif watch.frames and watch.graphs == 0:
+            breaks = ", ".join(list(watch.graph_breaks())[:3]) or "-"
+            warnings.warn(f"TorchCompile: nothing was compiled in the first {self._batches} training step(s):"
+                          f" dynamo converted {watch.frames} frame(s) of {self.compiled} but captured no graph, so"
+                          f" they run eagerly. Graph breaks: {breaks}", stacklevel=2)
 
     def _log(self, trainer: pl.Trainer, final: bool) -> None:
         writer = self._writer

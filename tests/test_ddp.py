@@ -29,3 +29,25 @@ def test_profiler_and_compile_under_ddp(tmp_path, ranks):
     scalars, _ = read_events(str(tmp_path / "lightning_logs"))
     assert [s for s, _ in scalars["opkit/profiler/step_time_ms"]] == [3, 5]  # only rank zero writes TensorBoard
     assert "opkit/compile/compiles" in scalars
+
+
+ZOO_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_zoo_script.py")
+
+
+@pytest.mark.parametrize("regional", ["whole", "regional"])
+def test_all_four_callbacks_under_ddp_with_a_nan_on_one_rank(tmp_path, regional):
+    proc = subprocess.run([sys.executable, ZOO_SCRIPT, str(tmp_path), regional], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # Rank 1 alone saw the NaN: both ranks skipped the same step, named the same module, and kept identical weights.
+    assert r0["events"] == r1["events"] == [[2, "forward", "model.encoder.layers.1.linear1", 1]]
+    assert r0["skipped"] == r1["skipped"] == 1 and r0["global_step"] == r1["global_step"] == 5
+    assert r0["weights"] == r1["weights"]
+    # Compiled what was asked, not Lightning's training_step through the DDP wrapper; the policy traced in.
+    for r in (r0, r1):
+        assert r["error"] is None and r["frames"] >= 1 and r["graphs"] >= 1, r
+        assert ("matmul:bf16" in r["census"] and "norm:fp32" in r["census"]), r
+    if regional == "whole":
+        assert r0["graph_breaks"] <= 2, r0  # DDP's forward redirection must not put training_step under dynamo
+    assert r0["windows"] == 2 and r1["windows"] == 0

