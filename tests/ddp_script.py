@@ -30,7 +30,7 @@ if __name__ == "__main__":
         "frames": compiler.watch.frames,
         "compiled": compiler.compiled,
         "weights": [round(float(v), 6) for v in model.head.weight.detach().flatten()[:6]],
-        "compiled_after": ["forward" in vars(m) for m in model.modules()],
+        "compiled_after": ["forward" in vars(m) for m in model.blocks.modules()],
         "keys": list(torch.load(os.path.join(out, "ddp.ckpt"), weights_only=False)["state_dict"]),
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
