@@ -1,5 +1,6 @@
 """lightning_opkit: PyTorch Lightning callbacks for operator-level training work."""
 
+from lightning_opkit._regions import find_blocks, strip_compile_prefix
 from lightning_opkit.compile import TorchCompile
 from lightning_opkit.nan import NaNDetector, NonFiniteError
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
@@ -16,6 +17,8 @@ __all__ = [
     "classify_function",
     "classify_module",
     "classify_name",
+    "find_blocks",
+    "strip_compile_prefix",
 ]
 
 __version__ = "0.1.0"

@@ -43,9 +43,14 @@ class DynamoWatch:
         self.compile_time_s = 0.0
         self.recompile_reasons: list[str] = []
         self._t0: float | None = None
+        #: the compiled region being called (set by TorchCompile around each call): its compiles are charged to it
+        self.region: Any = None
+        self._at_start: tuple[int, int] = (0, 0)
         self._base_breaks: Counter[str] = Counter()
+        self._base_break_total = 0
         self._base_graphs = 0
         self._base_frames = 0
+        self._base_attempted = 0
         self._handler: _Collect | None = None
         self._logger_state: tuple[int, bool] | None = None
         self._enabled_artifact = False
@@ -53,8 +58,10 @@ class DynamoWatch:
     def open(self) -> None:
         """Start watching: register callbacks and the recompile log handler."""
         self._base_breaks = Counter(counters["graph_break"])
+        self._base_break_total = sum(self._base_breaks.values())
         self._base_graphs = counters["stats"]["unique_graphs"]
         self._base_frames = counters["frames"]["ok"]
+        self._base_attempted = counters["frames"]["total"]
         torch._dynamo.callback_handler.register_start_callback(self._on_start)
         torch._dynamo.callback_handler.register_end_callback(self._on_end)
         from torch._logging._internal import log_state
@@ -94,12 +101,26 @@ class DynamoWatch:
 
     def _on_start(self, *args: Any) -> None:
         self._t0 = time.perf_counter()
+        self._at_start = (self.graphs, self.graph_break_total)
 
     def _on_end(self, *args: Any) -> None:
+        elapsed = 0.0
         if self._t0 is not None:
-            self.compile_time_s += time.perf_counter() - self._t0
+            elapsed = time.perf_counter() - self._t0
+            self.compile_time_s += elapsed
             self._t0 = None
         self.compiles += 1
+        region = self.region
+        if region is not None:
+            region.compiles += 1
+            region.compile_time_s += elapsed
+            region.graphs += self.graphs - self._at_start[0]
+            region.graph_breaks += self.graph_break_total - self._at_start[1]
+
+    @property
+    def graph_break_total(self) -> int:
+        """Graph breaks since :meth:`open`, all reasons together."""
+        return sum(counters["graph_break"].values()) - self._base_break_total
 
     @property
     def graphs(self) -> int:
@@ -110,6 +131,11 @@ class DynamoWatch:
     def frames(self) -> int:
         """Frames dynamo converted since :meth:`open` (0 means no compiled code ran)."""
         return counters["frames"]["ok"] - self._base_frames
+
+    @property
+    def frames_attempted(self) -> int:
+        """Frames dynamo tried to convert since :meth:`open`, converted or skipped."""
+        return counters["frames"]["total"] - self._base_attempted
 
     def graph_breaks(self) -> dict[str, int]:
         """Graph-break reason -> count, since :meth:`open`."""

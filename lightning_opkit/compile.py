@@ -6,12 +6,13 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 import torch._dynamo
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs
@@ -19,6 +20,15 @@ from lightning_opkit._dynamo_watch import DynamoWatch
 from lightning_opkit._modes import standing_aside
 from lightning_opkit._modules import resolve_modules
 from lightning_opkit._patch import Patches
+from lightning_opkit._regions import (
+    REGION_HEADERS,
+    Region,
+    cache_entries,
+    compiled_code,
+    find_blocks,
+    recompile_limit,
+    strip_compile_prefix,
+)
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 
 __all__ = ["TorchCompile"]
@@ -31,6 +41,7 @@ def _backends() -> list[str]:
 # What counts as "compilation failed" for `fallback`: the backend, dynamo itself, or (with fullgraph) a graph break.
 # A user's own error met while tracing (``TorchRuntimeError``, ``Observed*``) or a misuse (``UserError``) is not
 # one: it goes through untouched, with nothing switched to eager and nothing run twice.
+_ON_RECOMPILE_LIMIT = ("warn", "eager", "raise")
 _COMPILE_FAILURES: tuple[type[BaseException], ...] = (
     torch._dynamo.exc.BackendCompilerFailed,
     torch._dynamo.exc.InternalTorchDynamoError,
@@ -88,13 +99,38 @@ def _backend(name: str, mode: str | None, options: dict[str, Any] | None,
     return standing_aside(backend)
 
 
-def _has_cached_code(compiled: Callable[..., Any]) -> bool:
-    # Compiled code from an earlier fit (dynamo's cache is per code object) runs without converting a new frame.
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+def _stance() -> str:
+    # NaNDetector's replay and PrecisionPolicy's census force eager; a region switched to eager_on_recompile must not
+    # override that, nor be timed then.
+    from torch._dynamo.eval_frame import _stance as stance
 
-    fn = getattr(compiled, "_torchdynamo_orig_callable", None)
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    return code is not None and bool(_debug_get_cache_entry_list(code))
+    return stance.stance
+
+
+def _measure_speedup(module: torch.nn.Module, original: Callable[..., Any], compiled: Callable[..., Any],
+                     args: tuple, kwargs: dict, repeats: int = 3) -> float:
+    # Extra calls on the step's own inputs: buffers (BatchNorm statistics) and RNG state are put back afterwards, and
+    # the outputs are dropped, so training goes on as if they never ran.
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.get_rng_state()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for _ in range(repeats):
+            for is_compiled, fn in ((False, original), (True, compiled)):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+                times[is_compiled].append(time.perf_counter() - t0)
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        torch.set_rng_state(rng)
+    return statistics.median(times[False]) / max(statistics.median(times[True]), 1e-9)
 
 
 def _outermost(named: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
@@ -106,14 +142,17 @@ def _outermost(named: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torc
 class TorchCompile(Callback):
     """Compile the model (or each submodule matching a glob) in place with ``torch.compile``, and report on it.
 
-    Compilation is in place, the way ``nn.Module.compile`` does it: the module object, its ``state_dict`` keys and
-    checkpoints are those of the uncompiled model (no ``_orig_mod.``), so a checkpoint saved while compiled loads into
-    a plain model and vice versa. With ``modules``, each matching submodule is compiled on its own (regional
-    compilation): identical blocks share one compiled code object and compile once.
+    Compilation is in place: each target's ``forward`` is replaced by its compiled version, so the module object, its
+    ``state_dict`` keys and checkpoints are those of the uncompiled model (no ``_orig_mod.``): a checkpoint saved while
+    compiled loads into a plain model and vice versa, and a checkpoint with ``_orig_mod.`` keys (written by
+    ``torch.compile``'s wrapper) loads too. With ``modules``, each matching submodule is compiled on its own (regional
+    compilation): identical blocks share one compiled code object and compile once. Each region's compile time,
+    graphs, breaks and recompiles are reported, and a region close to dynamo's recompile limit is warned about.
 
     Args:
-        modules: globs over ``named_modules()`` names of submodules to compile; ``None`` compiles the
-            LightningModule's ``forward`` (what ``self(x)`` in ``training_step`` calls).
+        modules: globs over ``named_modules()`` names of submodules to compile; ``"auto"`` finds the repeated blocks
+            (children of ``ModuleList`` / ``Sequential`` containers that share one class, the outermost such sets);
+            ``None`` compiles the LightningModule's ``forward`` (what ``self(x)`` in ``training_step`` calls).
         backend: a ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, ``"eager"``, ...).
         mode: an Inductor mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ...); not with ``options``.
         fullgraph: fail on any graph break instead of splitting the graph.
@@ -121,6 +160,12 @@ class TorchCompile(Callback):
             after its first change (so a smaller last batch or an evaluation batch size recompiles once, not per size).
         options: Inductor options such as ``{"triton.cudagraphs": True}``; keys are checked against Inductor's.
         fallback: when compilation fails, warn once, log the error, and go on eagerly; ``False`` raises.
+        on_recompile_limit: when a region's code reaches half of dynamo's ``recompile_limit`` cache entries (past it,
+            dynamo silently runs it eagerly): ``"warn"`` names the guard that keeps failing; ``"eager"`` warns, then
+            runs that region with ``torch.compiler.set_stance("eager_on_recompile")`` (its compiled code is reused,
+            nothing new is compiled); ``"raise"`` raises a ``RuntimeError``.
+        measure_speedup: once per region, after it has compiled, time a few eager calls of it against compiled
+            calls on the same inputs (buffers and RNG state restored), and report eager / compiled time.
 
     Example:
         >>> compiler = TorchCompile(modules=["model.blocks.*"], backend="aot_eager")
@@ -131,13 +176,15 @@ class TorchCompile(Callback):
 
     def __init__(
         self,
-        modules: Optional[list[str]] = None,
+        modules: Optional[Union[list[str], Literal["auto"]]] = None,
         backend: str = "inductor",
         mode: Optional[str] = None,
         fullgraph: bool = False,
         dynamic: Optional[bool] = None,
         options: Optional[dict[str, Any]] = None,
         fallback: bool = True,
+        on_recompile_limit: Literal["warn", "eager", "raise"] = "warn",
+        measure_speedup: bool = False,
     ) -> None:
         backends = _backends()
         if not isinstance(backend, str) or backend not in backends:
@@ -152,20 +199,28 @@ class TorchCompile(Callback):
             if mode is not None:
                 raise ValueError("`mode` and `options` cannot both be set (torch.compile takes one or the other)")
             _check_options(backend, options)
-        check_globs("modules", modules)
-        check_bools(fullgraph=fullgraph, fallback=fallback)
+        if modules != "auto":
+            check_globs("modules", modules)
+        check_bools(fullgraph=fullgraph, fallback=fallback, measure_speedup=measure_speedup)
+        if on_recompile_limit not in _ON_RECOMPILE_LIMIT:
+            raise ValueError(f"Expected `on_recompile_limit` to be one of {list(_ON_RECOMPILE_LIMIT)}, but got"
+                             f" {on_recompile_limit!r}")
         if dynamic is not None and not isinstance(dynamic, bool):
             raise ValueError(f"Expected `dynamic` to be True, False or None, but got {dynamic!r}")
-        self.modules = list(modules) if modules is not None else None
+        self.modules: list[str] | str | None = modules if modules in (None, "auto") else list(modules)
         self.backend = backend
         self.mode = mode
         self.fullgraph = fullgraph
         self.dynamic = dynamic
         self.options = dict(options) if options is not None else None
         self.fallback = fallback
+        self.on_recompile_limit = on_recompile_limit
+        self.measure_speedup = measure_speedup
 
         #: module paths compiled in this run ("" = the LightningModule)
         self.compiled: list[str] = []
+        #: per compiled region: calls, compiles, compile time, graphs, breaks, recompiles, speedup
+        self.regions: dict[str, Region] = {}
         #: the compile error, when training fell back to eager
         self.error: str | None = None
         self.step_times_s: list[float] = []
@@ -175,10 +230,11 @@ class TorchCompile(Callback):
         self._t0: float | None = None
         self._compiles_at_start = 0
         self._reported: tuple[int, int, int] = (-1, -1, -1)
+        self._reported_regions: tuple[Any, ...] = ()
         self._batches = 0
         self._checked_frames = False
-        self._compiled_fns: list[Callable[..., Any]] = []
         self._hook_guards: Any = None
+        self._limit_hit: set[Any] = set()
 
     # lifecycle
 
@@ -186,21 +242,22 @@ class TorchCompile(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._patches:
             return  # validate/test inside fit reuse the compiled model
-        targets = [("", pl_module)] if self.modules is None else _outermost(
-            resolve_modules(pl_module, self.modules, owner="TorchCompile"))
-        self._compiled_fns = []
+        targets = self._targets(pl_module)
+        self.regions = {}
+        self._limit_hit = set()
         kwargs = dict(backend=self.backend, mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic,
                       options=self.options)
         compile_kwargs = dict(kwargs, backend=_backend(self.backend, self.mode, self.options, self.dynamic),
                               mode=None, options=None)  # both given to the backend callable
-        for _, module in targets:
+        for name, module in targets:
             # ``forward`` itself, not ``_call_impl``: dynamo converts no frame of a compiled ``_call_impl`` (nor of
             # ``nn.Module.compile()``) for torch.nn's own modules, whose code it skips; a compiled ``forward`` is
             # traced for every module. The module's own hooks then run eagerly around the compiled region.
             original = module.forward
             compiled = torch.compile(original, **compile_kwargs)
-            self._patches.set(module, "forward", self._guard(trainer, original, compiled))
-            self._compiled_fns.append(compiled)
+            region = self.regions[name] = Region(name, code=compiled_code(compiled))
+            self._patches.set(module, "forward", self._guard(trainer, module, region, original, compiled))
+        self._patches.set(pl_module, "on_load_checkpoint", self._loading_old_checkpoints(pl_module.on_load_checkpoint))
         self.compiled = [name for name, _ in targets]
         self._batches, self._checked_frames, self.error = 0, False, None
         # Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the class)
@@ -213,18 +270,86 @@ class TorchCompile(Callback):
             ["setting", "value"], [["compiled", ", ".join(n or "<LightningModule>" for n in self.compiled)],
                                    *[[k, v] for k, v in kwargs.items()]]), trainer.global_step)
 
-    def _guard(self, trainer: pl.Trainer, original: Callable[..., Any],
+    def _targets(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module]]:
+        if self.modules is None:
+            return [("", pl_module)]
+        if self.modules == "auto":
+            names = find_blocks(pl_module)
+            if not names:
+                raise ValueError(
+                    f"TorchCompile(modules='auto') found no repeated blocks in {type(pl_module).__name__} (children"
+                    " of a ModuleList/Sequential that share one class). Name the modules to compile as globs, or"
+                    " use modules=None for the whole forward.")
+            rank_zero_info(f"TorchCompile(modules='auto') compiles {len(names)} blocks: {', '.join(names)}")
+            return [(name, pl_module.get_submodule(name)) for name in names]
+        return _outermost(resolve_modules(pl_module, self.modules, owner="TorchCompile"))
+
+    @staticmethod
+    def _loading_old_checkpoints(user_hook: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+        # Runs before Lightning loads the weights (a callback's own hook would run after): a checkpoint written by
+        # torch.compile's wrapper has ``_orig_mod.`` in its keys, which the plain model does not.
+        def on_load_checkpoint(checkpoint: dict[str, Any]) -> Any:
+            state = checkpoint.get("state_dict")
+            if isinstance(state, dict) and any("_orig_mod." in key for key in state):
+                checkpoint["state_dict"] = strip_compile_prefix(state)
+                rank_zero_info("TorchCompile: loading a checkpoint with `_orig_mod.` keys into the plain model.")
+            return user_hook(checkpoint)
+
+        return on_load_checkpoint
+
+    def _guard(self, trainer: pl.Trainer, module: torch.nn.Module, region: Region, original: Callable[..., Any],
                compiled: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
+            region.calls += 1
+            watch = self.watch
+            compiles, recompiles = watch.compiles, len(watch.recompile_reasons)
+            watch.region = region
             try:
-                return compiled(*args, **kwargs)
+                if region.eager and _stance() == "default":
+                    with torch.compiler.set_stance("eager_on_recompile"):
+                        out = compiled(*args, **kwargs)
+                else:
+                    out = compiled(*args, **kwargs)
             except _COMPILE_FAILURES as err:
                 if not self.fallback:
                     raise
                 self._fall_back(trainer, err)
                 return original(*args, **kwargs)
+            finally:
+                watch.region = None
+            if len(watch.recompile_reasons) != recompiles:
+                region.recompile_reasons += watch.recompile_reasons[recompiles:]
+                region.recompiles += len(watch.recompile_reasons) - recompiles
+                self._check_recompile_limit(region)
+            elif (self.measure_speedup and region.speedup is None and region.calls >= 3
+                  and watch.compiles == compiles and _stance() == "default" and torch.is_grad_enabled()):
+                region.speedup = _measure_speedup(module, original, compiled, args, kwargs)
+            return out
 
         return forward
+
+    def _check_recompile_limit(self, region: Region) -> None:
+        limit = recompile_limit()
+        entries = cache_entries(region.code)
+        if entries * 2 < limit or region.code in self._limit_hit:
+            return
+        self._limit_hit.add(region.code)
+        sharing = [r.name for r in self.regions.values() if r.code is region.code]
+        guard = region.recompile_reasons[-1] if region.recompile_reasons else "-"
+        guard = " ".join(guard.split())[:400]
+        text = (f"TorchCompile: region {region.name or '<LightningModule>'!r} has {entries} compiled versions of its"
+                f" code (shared by {len(sharing)} region(s)), half of torch._dynamo.config.recompile_limit={limit};"
+                f" past the limit dynamo silently runs it eagerly. The guard that keeps failing: {guard}")
+        if self.on_recompile_limit == "raise":
+            raise RuntimeError(text + " (on_recompile_limit='raise')")
+        if self.on_recompile_limit == "eager":
+            for name in sharing:
+                self.regions[name].eager = True
+            text += (" These regions now run with set_stance('eager_on_recompile'): compiled code is reused, nothing"
+                     " new is compiled.")
+        else:
+            text += (" Mark the changing dimension dynamic, raise the limit, or set on_recompile_limit='eager'.")
+        warnings.warn(text, stacklevel=3)
 
     def _fall_back(self, trainer: pl.Trainer, err: BaseException) -> None:
         head = str(err).strip().split("\n\n")[0]  # dynamo appends pages of debugging hints after a blank line
@@ -289,10 +414,16 @@ class TorchCompile(Callback):
         if self.error is not None:
             return
         watch = self.watch
-        if watch.frames == 0 and not any(map(_has_cached_code, self._compiled_fns)):
-            hint = ("With modules=None only the LightningModule's forward is compiled, so training_step must call"
-                    " self(...); or name the submodules it does call in `modules`." if self.modules is None else
-                    f"Are the modules {self.compiled} called in training_step?")
+        # Compiled code from an earlier fit (dynamo's cache is per code object) runs without converting a frame.
+        if watch.frames == 0 and not any(cache_entries(r.code) for r in self.regions.values()):
+            if watch.frames_attempted:
+                hint = (f"It tried {watch.frames_attempted} frame(s) of {self.compiled} and skipped them (run with"
+                        " TORCH_LOGS=graph_breaks to see why); they run eagerly.")
+            elif self.modules is None:
+                hint = ("With modules=None only the LightningModule's forward is compiled, so training_step must"
+                        " call self(...); or name the submodules it does call in `modules`.")
+            else:
+                hint = f"Are the modules {self.compiled} called in training_step?"
             warnings.warn(f"TorchCompile: nothing was compiled in the first {self._batches} training step(s):"
                           f" dynamo converted no frame. {hint}", stacklevel=2)
         elif watch.frames and watch.graphs == 0:
@@ -322,6 +453,11 @@ class TorchCompile(Callback):
             if watch.recompile_reasons:
                 writer.text("opkit/compile/recompile_reasons",
                             "\n\n".join(f"```\n{r}\n```" for r in watch.recompile_reasons[-20:]), step)
+        regions = tuple((r.compiles, r.recompiles, r.speedup, r.eager) for r in self.regions.values())
+        if regions != self._reported_regions or final:
+            self._reported_regions = regions
+            writer.table("opkit/compile/regions", REGION_HEADERS, [r.row() for r in self.regions.values()], step)
+            writer.scalar("opkit/compile/eager_regions", sum(r.eager for r in self.regions.values()), step)
         steady = self.step_times_s
         if steady and (final or len(steady) % max(1, trainer.log_every_n_steps) == 0):
             writer.scalar("opkit/compile/step_time_ms", 1e3 * statistics.median(steady[-100:]), step)

@@ -8,6 +8,7 @@ from helpers import make_loader, read_events, snapshot, trainer
 from torch import nn
 
 from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, TorchCompile
+from lightning_opkit._modules import glob_match
 
 
 @torch._dynamo.register_backend(name="opkit_test_failing")
@@ -280,3 +281,124 @@ def test_policy_census_counts_ops_inside_compiled_regions(tmp_path):
     assert policy.census[("matmul", "bf16")]["calls"] == 6  # inp, four compiled blocks' fc, head
     assert policy.census[("norm", "fp32")]["calls"] == 4 and cb.error is None
     assert len(cb.watch.recompile_reasons) <= 1  # eager census steps do not churn the compiled code
+
+
+# modules="auto", per-region figures, the recompile guard, old checkpoints (issue 12)
+
+
+@pytest.mark.parametrize("name", ["torch_encoder", "torch_mha", "torch_lstm", "bn_cnn", "hf_gpt2", "hf_llama",
+                                  "hf_bert"])
+def test_auto_finds_and_compiles_the_blocks_of_every_zoo_model(tmp_path, name):
+    from zoo import build
+
+    model = build(name)
+    expected = [n for n, _ in model.named_modules() if glob_match(n, "model." + model.case.blocks)]
+    compiler = TorchCompile(modules="auto", backend="eager")
+    if name == "torch_lstm":  # dynamo skips a block of nothing but an nn.LSTM and a norm: said, not hidden
+        with pytest.warns(UserWarning, match=r"nothing was compiled.*tried \d+ frame.*skipped them"):
+            trainer(tmp_path, [compiler], max_steps=2).fit(model, model.loader())
+    else:
+        trainer(tmp_path, [compiler], max_steps=2).fit(model, model.loader())
+        assert compiler.watch.frames > 0
+    assert compiler.compiled == expected and len(expected) >= 2 and compiler.error is None
+    _, texts = read_events(str(tmp_path))
+    assert expected[0] in texts["opkit/compile/config"][0][1]
+
+
+def test_auto_finds_the_example_vit_blocks(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from examples.vit import ViTClassifier, load_digits_tensors
+
+    x, y = load_digits_tensors()
+    model = ViTClassifier(depth=3)
+    compiler = TorchCompile(modules="auto", backend="eager")
+    trainer(tmp_path, [compiler], max_steps=2).fit(model, DataLoader(TensorDataset(x[:64], y[:64]), batch_size=16))
+    assert compiler.compiled == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert compiler.watch.frames > 0
+
+
+def test_auto_without_repeated_blocks_fails_clearly(tmp_path):
+    class Flat(Blocks):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), nn.Linear(16, 16)])
+
+    with pytest.raises(ValueError, match="modules='auto'.*found no repeated blocks in Flat"):
+        trainer(tmp_path, [TorchCompile(modules="auto", backend="eager")], max_steps=1).fit(Flat(), make_loader())
+
+
+def test_per_region_figures_and_measured_speedup(tmp_path):
+    compiler = TorchCompile(modules=["blocks.*"], backend="eager", measure_speedup=True)
+    trainer(tmp_path, [compiler], max_steps=4).fit(Blocks(depth=2), make_loader())
+    first, second = compiler.regions["blocks.0"], compiler.regions["blocks.1"]
+    assert first.calls == second.calls == 4
+    assert first.compiles >= 1 and first.compile_time_s > 0 and first.graphs >= 1
+    assert second.compiles <= 1  # the same code object: compiled once for the first block (+1 for requires_grad)
+    assert first.speedup is not None and first.speedup > 0 and second.speedup is not None
+    _, texts = read_events(str(tmp_path))
+    table = texts["opkit/compile/regions"][-1][1]
+    assert "| blocks.0 | 4 |" in table and "speedup (eager/compiled)" in table
+
+
+class Scaled(nn.Module):
+    """A block whose Python int attribute differs per instance: dynamo specializes on it, one version per block."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.scale = scale
+
+    def forward(self, x):
+        return x + self.fc(x) * self.scale
+
+
+class ScaledBlocks(Blocks):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Scaled(i + 1) for i in range(7))
+
+
+@pytest.mark.parametrize("action", ["warn", "eager", "raise"])
+def test_recompile_guard_fires_at_half_the_limit(tmp_path, action):
+    compiler = TorchCompile(modules=["blocks.*"], backend="eager", on_recompile_limit=action)
+    model = ScaledBlocks()
+    run = trainer(tmp_path, [compiler], max_steps=3)
+    if action == "raise":
+        with pytest.raises(RuntimeError, match=r"half of torch._dynamo.config.recompile_limit=8.*scale"):
+            run.fit(model, make_loader())
+        return
+    with pytest.warns(UserWarning, match=r"4 compiled versions of its code \(shared by 7 region\(s\)\).*scale"):
+        run.fit(model, make_loader())
+    versions = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(compiler.regions["blocks.0"].code))
+    if action == "eager":
+        assert versions == 4 and all(r.eager for r in compiler.regions.values())
+        scalars, _ = read_events(str(tmp_path))
+        assert scalars["opkit/compile/eager_regions"][-1][1] == 7
+    else:
+        assert versions == 7 and not any(r.eager for r in compiler.regions.values())
+
+
+def test_checkpoints_with_orig_mod_keys_load(tmp_path):
+    from lightning_opkit import strip_compile_prefix
+
+    class Wrapped(Blocks):  # the usual way: torch.compile's wrapper assigned in the LightningModule
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.compile(self.inp, backend="eager")
+
+    old = trainer(tmp_path / "old", [], max_steps=2)
+    old.fit(Wrapped(), make_loader())
+    ckpt = os.path.join(tmp_path, "old.ckpt")
+    old.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert "inp._orig_mod.weight" in state
+    # into the plain model, with TorchCompile attached: resumes
+    model = Blocks()
+    trainer(tmp_path / "new", [TorchCompile(modules=["blocks.*"], backend="eager")], max_steps=12,
+            max_epochs=2).fit(model, make_loader(), ckpt_path=ckpt)
+    assert model.global_step > 2
+    # and with the helper, without TorchCompile
+    plain = Blocks()
+    plain.load_state_dict(strip_compile_prefix(state))  # strict
+    assert torch.equal(plain.inp.weight, state["inp._orig_mod.weight"])
