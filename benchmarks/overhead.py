@@ -244,11 +244,34 @@ def suite_compile(args) -> None:
     print(f"  throughput TorchCompile / manual: {base / medians[ours]:.3f}")
 
 
-def cold_start_one(modules: list[str] | None) -> tuple[float, float]:
+def gpt2_depth8():
+    """The zoo's tiny GPT-2 (tests/zoo), 8 blocks deep, on random tokens."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from zoo import CASES, ZooModule
+
+    case = dataclasses.replace(CASES["hf_gpt2"], build=lambda: GPT2LMHeadModel(GPT2Config(
+        n_embd=64, n_layer=8, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+        use_cache=False)))
+    torch.manual_seed(0)
+    module = ZooModule(case)
+    return module, module.loader(n=64)
+
+
+def cold_start_one(model: str, regional: bool) -> tuple[float, float]:
     """One cold compile in this (fresh) process: dynamo-measured compile time and first-step wall time."""
-    cb = TorchCompile(modules=modules)
+    cb = TorchCompile(modules="auto" if regional else None)
     timer = StepTimer()
-    run(lambda: (vit(depth=8), [cb, timer], {}), 3, 0)
+    if model == "gpt2":
+        module, loader = gpt2_depth8()
+        trainer = pl.Trainer(max_steps=3, accelerator=ACCELERATOR, devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, timer],
+                             default_root_dir=tempfile.mkdtemp())
+        trainer.fit(module, loader)
+    else:
+        run(lambda: (vit(depth=8), [cb, timer], {}), 3, 0)
     return cb.watch.compile_time_s, timer.intervals()[0]
 
 
@@ -258,21 +281,22 @@ def suite_cold_start(args) -> None:
 
     # Each compile runs in a fresh process with an empty Inductor cache directory: no in-memory or on-disk kernel
     # cache can carry over from one variant to the other.
-    cold: dict[str, list[tuple[float, float]]] = {"whole": [], "regional": []}
-    for _ in range(args.reps):
-        for name in cold:
-            with tempfile.TemporaryDirectory() as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-one", name], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-            cold[name].append(tuple(json.loads(out.strip().splitlines()[-1])))
-    (whole_c, whole_s), (reg_c, reg_s) = ((statistics.median(c for c, _ in v), statistics.median(s for _, s in v))
-                                          for v in cold.values())
-    print("\n== Cold start, 8 blocks, inductor (fresh process and empty cache per compile)")
-    print(f"  compile time (dynamo callbacks): whole {whole_c:.2f} s, regional {reg_c:.2f} s"
-          f" (ratio {reg_c / whole_c:.3f})")
-    print(f"  first training step:             whole {whole_s:.2f} s, regional {reg_s:.2f} s"
-          f" (ratio {reg_s / whole_s:.3f})")
+    for model, title in (("vit", "example ViT, 8 blocks"), ("gpt2", "zoo GPT-2, 8 blocks")):
+        cold: dict[str, list[tuple[float, float]]] = {"whole": [], "regional": []}
+        for _ in range(args.reps):
+            for name in cold:
+                with tempfile.TemporaryDirectory() as cache:
+                    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+                    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-one", f"{model}:{name}"],
+                                         env=env, capture_output=True, text=True, check=True).stdout
+                cold[name].append(tuple(json.loads(out.strip().splitlines()[-1])))
+        (whole_c, whole_s), (reg_c, reg_s) = ((statistics.median(c for c, _ in v),
+                                               statistics.median(s for _, s in v)) for v in cold.values())
+        print(f"\n== Cold start, {title}, inductor: modules=None vs modules='auto' (fresh process, empty cache)")
+        print(f"  compile time (dynamo callbacks): whole {whole_c:.2f} s, regional {reg_c:.2f} s"
+              f" (ratio {reg_c / whole_c:.3f})")
+        print(f"  first training step:             whole {whole_s:.2f} s, regional {reg_s:.2f} s"
+              f" (ratio {reg_s / whole_s:.3f})")
 
 
 SUITES = {"nan": suite_nan, "precision": suite_precision, "precision_loop": suite_precision_loop,
@@ -286,7 +310,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each median")
-    parser.add_argument("--cold-one", choices=["whole", "regional"], help=argparse.SUPPRESS)
+    parser.add_argument("--cold-one", help=argparse.SUPPRESS)  # "vit:whole", "gpt2:regional", ...
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     global ACCELERATOR
@@ -294,7 +318,8 @@ def main() -> None:
     if args.cold_one:
         import json
 
-        print(json.dumps(cold_start_one(None if args.cold_one == "whole" else ["model.blocks.*"])))
+        model, variant = args.cold_one.split(":")
+        print(json.dumps(cold_start_one(model, variant == "regional")))
         return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads")

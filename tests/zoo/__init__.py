@@ -166,7 +166,7 @@ def _gpt2() -> nn.Module:
 
     return GPT2LMHeadModel(GPT2Config(n_embd=DIM, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
                                       bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0))
+                                      attn_pdrop=0.0, use_cache=False))
 
 
 def _llama() -> nn.Module:
@@ -175,7 +175,7 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
                                         max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-                                        pad_token_id=0))
+                                        pad_token_id=0, use_cache=False))
 
 
 def _bert() -> nn.Module:
