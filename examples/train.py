@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
+import lightning_opkit  # noqa: E402, F401  (imported so that short class names resolve: --trainer.callbacks+=NaNDetector)
 from examples.vit import DigitsDataModule, ViTClassifier  # noqa: E402
 
 

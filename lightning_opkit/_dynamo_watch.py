@@ -7,6 +7,7 @@ every change it makes when closed.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -142,3 +143,27 @@ class DynamoWatch:
         now = Counter(counters["graph_break"])
         now.subtract(self._base_breaks)
         return {reason.split("\n\n")[0].strip(): n for reason, n in now.items() if n > 0}
+
+
+_FUNCTION = re.compile(r"Recompiling function (\S+) in (\S+)")
+_GUARD = re.compile(r"^\s*- (?:\d+/\d+: )?(.+?)\s*(?:#.*)?$", re.M)
+
+
+def recompile_table(reasons: list[str]) -> list[list[Any]]:
+    """Recompile reasons as deduplicated ``[function, guard that failed, count]`` rows, most frequent first.
+
+    Args:
+        reasons: dynamo's ``recompiles`` log messages.
+
+    Example:
+        >>> msg = "Recompiling function forward in m.py:3 ... failure(s):|    - 0/0: x.size()[0] == 8"
+        >>> recompile_table([msg.replace("|", chr(10))] * 2)
+        [['forward (m.py:3)', 'x.size()[0] == 8', 2]]
+    """
+    counts: Counter[tuple[str, str]] = Counter()
+    for reason in reasons:
+        function = _FUNCTION.search(reason)
+        where = f"{function.group(1)} ({function.group(2)})" if function else "-"
+        guards = [g for g in _GUARD.findall(reason) if not g.startswith(("User stack", "File ", "if ", "return "))]
+        counts[(where, guards[0] if guards else " ".join(reason.split())[:200])] += 1
+    return [[where, guard, n] for (where, guard), n in counts.most_common()]

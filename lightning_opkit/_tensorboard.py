@@ -33,22 +33,30 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
     Args:
         headers: column names.
-        rows: one sequence of cells per row; floats are shown with 4 significant digits.
+        rows: one sequence of cells per row; floats in fixed point with three decimals (never ``1.372e+04``).
 
     Example:
-        >>> print(markdown_table(["a", "b"], [[1, 0.5]]))
+        >>> print(markdown_table(["a", "b"], [[1, 13720.5]]))
         | a | b |
         |---|---|
-        | 1 | 0.5 |
+        | 1 | 13720.500 |
     """
 
     def cell(value: Any) -> str:
-        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        text = _fixed(value) if isinstance(value, float) else str(value)
         return text.replace("|", "\\|").replace("\n", " ")
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _fixed(value: float) -> str:
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if value == 0 or abs(value) >= 1e-3:
+        return f"{value:.3f}"
+    return f"{value:.1e}"  # below a thousandth, three decimals would read as zero
 
 
 class TensorBoardWriter:

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs
-from lightning_opkit._dynamo_watch import DynamoWatch
+from lightning_opkit._dynamo_watch import DynamoWatch, recompile_table
 from lightning_opkit._modes import standing_aside
 from lightning_opkit._modules import resolve_modules
 from lightning_opkit._patch import Patches
@@ -451,8 +451,8 @@ class TorchCompile(Callback):
                 writer.table("opkit/compile/graph_break_reasons", ["reason", "count"],
                              sorted(breaks.items(), key=lambda kv: -kv[1]), step)
             if watch.recompile_reasons:
-                writer.text("opkit/compile/recompile_reasons",
-                            "\n\n".join(f"```\n{r}\n```" for r in watch.recompile_reasons[-20:]), step)
+                writer.table("opkit/compile/recompile_reasons", ["function", "guard that failed", "count"],
+                             recompile_table(watch.recompile_reasons), step)
         regions = tuple((r.compiles, r.recompiles, r.speedup, r.eager) for r in self.regions.values())
         if regions != self._reported_regions or final:
             self._reported_regions = regions

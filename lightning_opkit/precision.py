@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -26,6 +26,11 @@ from lightning_opkit.opclass import OP_CLASSES, function_info
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
 
+#: what the LightningCLI checks at parse time: a typo in a dtype or an op class fails there, naming the value
+DtypeName = Literal["fp32", "bf16", "fp16", "keep"]
+OpClassName = Literal["matmul", "conv", "attention", "norm", "softmax", "activation", "loss", "reduction", "pointwise",
+                      "embedding", "rnn"]
+
 DTYPES: dict[str, torch.dtype | None] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                                          "keep": None}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items() if v is not None}
@@ -38,6 +43,7 @@ DEFAULT_RULES: dict[str, str] = {
 #: op classes the policy never casts: shape and bookkeeping ops, and casts and copies (casting their input first
 #: would change what they produce).
 _NEVER_CAST = ("other", "copy", "layout")
+assert set(get_args(OpClassName)) == set(OP_CLASSES) - set(_NEVER_CAST) and set(get_args(DtypeName)) == set(DTYPES)
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _WARN_BITS = 4.0
 
@@ -215,9 +221,9 @@ class PrecisionPolicy(Callback):
 
     def __init__(
         self,
-        rules: Optional[dict[str, str]] = None,
-        default: str = "keep",
-        modules: Optional[dict[str, str]] = None,
+        rules: Optional[dict[OpClassName, DtypeName]] = None,
+        default: DtypeName = "keep",
+        modules: Optional[dict[str, DtypeName]] = None,
         census_every_n_steps: int = 100,
     ) -> None:
         valid = list(DTYPES)
@@ -378,7 +384,7 @@ class PrecisionPolicy(Callback):
         census, self._census_done = self._census_done, None
         if census is None:
             return
-        rows = census.rows()
+        rows = sorted(census.rows(), key=lambda r: (OP_CLASSES.index(r[0]), r[1]))
         self.census = {(cls, dt): {"calls": calls, "absmax": peak, "headroom_bits": head}
                        for cls, dt, calls, peak, head in rows}
         step = trainer.global_step

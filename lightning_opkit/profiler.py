@@ -320,15 +320,21 @@ class ProfilerWindows(Callback):
         if export_s is not None:
             writer.scalar("opkit/profiler/export_s", export_s, step)
         total = report.total_self_us or 1.0
-        headers = ["op", "class", "calls", "self ms", "total ms", "% self"] + (["GFLOP"] if self.with_flops else [])
-        rows = [[r.name, r.op_class, r.calls, r.self_us / 1e3, r.total_us / 1e3, 100 * r.self_us / total]
-                + ([r.flops / 1e9] if self.with_flops else []) for r in report.ops[: self.top_k]]
-        note = f"Window {self.windows_done}: {report.steps} step(s)" + (" (cut short)" if partial else "")
+        per_step = 1e3 * report.steps
+        headers = ["op", "class", "calls / step", "self ms / step", "total ms / step", "% self"] + (
+            ["GFLOP / step"] if self.with_flops else [])
+        rows = [[r.name, r.op_class, r.calls / report.steps, r.self_us / per_step, r.total_us / per_step,
+                 100 * r.self_us / total] + ([r.flops / 1e9 / report.steps] if self.with_flops else [])
+                for r in report.ops[: self.top_k]]
+        first = step - report.steps + 1
+        note = (f"Window {self.windows_done}: steps {first}-{step} ({report.steps} step(s)"
+                + (", cut short)" if partial else ")") + f"; framework / Python overhead (profiler step, optimizer"
+                f" step, data loading) {report.framework_self_us / per_step:.3f} ms / step, not in the shares")
         writer.text("opkit/profiler/top_ops", note + "\n\n" + markdown_table(headers, rows), step)
         class_rows = [[cls, us / 1e3 / report.steps, percent[cls]] for cls, us in
                       sorted(report.class_self_us.items(), key=lambda kv: -kv[1]) if us > 0]
-        writer.text("opkit/profiler/op_classes", markdown_table(["class", "self ms / step", "% self"], class_rows),
-                    step)
+        writer.text("opkit/profiler/op_classes", note + "\n\n" + markdown_table(
+            ["class", "self ms / step", "% self"], class_rows), step)
         writer.flush()
 
 

@@ -109,7 +109,11 @@ def test_validation_shapes_recompile_a_bounded_number_of_times(tmp_path):
     assert 1 <= len(cb.watch.recompile_reasons) <= 4, cb.watch.recompile_reasons
     scalars, texts = read_events(str(tmp_path))
     assert scalars["opkit/compile/recompiles"][-1][1] == len(cb.watch.recompile_reasons)
-    assert "Recompiling function forward" in texts["opkit/compile/recompile_reasons"][-1][1]
+    table = texts["opkit/compile/recompile_reasons"][-1][1]
+    rows = [line for line in table.splitlines()[2:]]
+    assert table.startswith("| function | guard that failed | count |") and "| forward (" in table
+    assert len(rows) == len(set(rows)) and sum(int(r.rsplit("|", 2)[1]) for r in rows) == len(
+        cb.watch.recompile_reasons)  # deduplicated, with counts
 
 
 def test_fallback_warns_once_and_trains_eagerly(tmp_path):

@@ -42,3 +42,18 @@ def test_config_trains_with_every_callback_and_logs(tmp_path):
     assert "opkit/profiler/step_time_ms" in scalars and "opkit/compile/compiles" in scalars
     assert "opkit/precision/policy" in texts
     assert DigitsDataModule().batch_size == 64
+
+
+def test_short_class_names_and_a_dtype_typo_fails_at_parse_time(tmp_path, capsys):
+    import pytest
+
+    cli = main(["--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks+=NaNDetector",
+                "--trainer.callbacks.init_args.action=skip", "--trainer.callbacks+=PrecisionPolicy",
+                "--trainer.callbacks.init_args.rules={matmul: fp32}"], run=False)
+    opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
+    assert [type(c).__name__ for c in opkit] == ["NaNDetector", "PrecisionPolicy"]
+    assert opkit[0].action == "skip" and opkit[1].rules == {"matmul": "fp32"}  # each flag binds to the one before it
+    with pytest.raises(SystemExit):
+        main(["--trainer.callbacks+=PrecisionPolicy", "--trainer.callbacks.init_args.rules={matmul: bf61}"],
+             run=False)
+    assert "bf61" in capsys.readouterr().err
