@@ -130,6 +130,15 @@ class TensorBoardWriter:
         """
         self.text(tag, markdown_table(headers, rows), step)
 
+    def custom_scalars(self, layout: dict[str, Any]) -> None:
+        """Write a TensorBoard custom-scalars layout (the Custom Scalars tab).
+
+        Args:
+            layout: category -> chart title -> ``["Multiline", [tag regexes]]``.
+        """
+        if self._writer is not None:
+            self._writer.add_custom_scalars(layout)
+
     def flush(self) -> None:
         """Flush pending events to disk."""
         if self._writer is not None:

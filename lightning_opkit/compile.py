@@ -29,6 +29,7 @@ from lightning_opkit._regions import (
     recompile_limit,
     strip_compile_prefix,
 )
+from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 
 __all__ = ["TorchCompile"]
@@ -266,6 +267,7 @@ class TorchCompile(Callback):
         self._hook_guards.__enter__()
         self.watch.open()
         self._writer = TensorBoardWriter(trainer)
+        start_summary(self, trainer, self._writer)
         self._writer.text("opkit/compile/config", markdown_table(
             ["setting", "value"], [["compiled", ", ".join(n or "<LightningModule>" for n in self.compiled)],
                                    *[[k, v] for k, v in kwargs.items()]]), trainer.global_step)
@@ -364,11 +366,27 @@ class TorchCompile(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            end_summary(self, trainer, self._writer)
         self._detach(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        end_summary(self, trainer, self._writer, exception)
         self._detach(trainer)
+
+    def summary_lines(self) -> list[str]:
+        """This callback's lines of the run summary."""
+        watch = self.watch
+        regions = ", ".join(n or "<LightningModule>" for n in self.compiled[:4]) + (
+            f" (+{len(self.compiled) - 4} more)" if len(self.compiled) > 4 else "")
+        line = (f"compile ({self.backend}): {watch.compile_time_s:.1f} s compiling, {watch.graphs} graph(s),"
+                f" {sum(watch.graph_breaks().values())} graph break(s), {len(watch.recompile_reasons)} recompile(s);"
+                f" regions: {regions or '-'}")
+        lines = [line]
+        if self.error is not None:
+            lines.append(f"  fell back to eager: {self.error[:200]}")
+        return lines
 
     def _detach(self, trainer: pl.Trainer) -> None:
         if self._writer is not None:

@@ -17,6 +17,7 @@ from lightning_opkit._checks import check_bools, check_globs, check_int
 from lightning_opkit._modules import resolve_modules
 from lightning_opkit._nan_locate import describe, replay
 from lightning_opkit._patch import Patches
+from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 
 __all__ = ["NaNDetector", "NonFiniteError"]
@@ -186,6 +187,7 @@ class NaNDetector(Callback):
         self._buffers = [b for b in pl_module.buffers() if not b.is_sparse]
         self._saved_buffers = []
         self._writer = TensorBoardWriter(trainer)
+        start_summary(self, trainer, self._writer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -241,11 +243,22 @@ class NaNDetector(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            end_summary(self, trainer, self._writer)
         self._detach(pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        end_summary(self, trainer, self._writer, exception)
         self._detach(pl_module)
+
+    def summary_lines(self) -> list[str]:
+        """This callback's lines of the run summary."""
+        line = f"NaN/Inf: {len(self.events)} event(s), {self.skipped_steps} skipped step(s) (action={self.action!r})"
+        if self.events:
+            first = self.events[0]
+            line += f"; first at step {first['step']}: {first['phase']} in {first['module'] or '<the loss>'!r}"
+        return [line]
 
     def _detach(self, pl_module: pl.LightningModule) -> None:
         self._patches.restore()

@@ -21,6 +21,7 @@ from lightning_opkit._checks import check_int
 from lightning_opkit._modes import _SUSPENDED
 from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
+from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 from lightning_opkit.opclass import OP_CLASSES, function_info
 
@@ -310,6 +311,8 @@ class PrecisionPolicy(Callback):
             original = getattr(pl_module, method)
             self._patches.set(pl_module, method, self._wrap(trainer, original, method == "training_step"))
         self._writer = TensorBoardWriter(trainer)
+        if stage == "fit":
+            start_summary(self, trainer, self._writer)
         rows = [[cls, self.table[cls]] for cls in OP_CLASSES] + [[f"module {k}", v] for k, v in self.modules.items()]
         self._writer.table("opkit/precision/policy", ["op class / module", "dtype"], rows, trainer.global_step)
 
@@ -325,11 +328,25 @@ class PrecisionPolicy(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            end_summary(self, trainer, self._writer)
         self._detach()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        end_summary(self, trainer, self._writer, exception)
         self._detach()
+
+    def summary_lines(self) -> list[str]:
+        """This callback's lines of the run summary."""
+        by_dtype: dict[str, list[str]] = {}
+        for cls in OP_CLASSES:
+            if cls not in _NEVER_CAST:
+                by_dtype.setdefault(self.table[cls], []).append(cls)
+        lines = ["precision policy: " + "; ".join(f"{', '.join(v)} in {k}" for k, v in by_dtype.items())]
+        if self.modules:
+            lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in self.modules.items()))
+        return lines
 
     def _detach(self) -> None:
         self._patches.restore()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +18,7 @@ from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_int
 from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
+from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table, run_log_dir
 
 __all__ = ["ProfilerWindows", "window_phase"]
@@ -139,6 +143,7 @@ class ProfilerWindows(Callback):
         self._window: _Window | None = None
         self._writer: TensorBoardWriter | None = None
         self._trace_dir = ""
+        self._charted: set[str] = set()
         self._enabled = True
 
     @property
@@ -163,20 +168,37 @@ class ProfilerWindows(Callback):
             # another run's traces through keep_traces.
             self.windows_done = self.batches_seen = self.export_errors = 0
             self.trace_files = []
+            self._charted = set()
         self._writer = TensorBoardWriter(trainer)
+        if stage == "fit":
+            start_summary(self, trainer, self._writer)
         self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
         self._enabled = self.all_ranks or trainer.is_global_zero
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close(trainer, partial=True)
+        if stage == "fit":
+            end_summary(self, trainer, self._writer)
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")
+        self._close(trainer, partial=True)
+        end_summary(self, trainer, self._writer, exception)
+        self.teardown(trainer, pl_module, "exception")
+
+    def summary_lines(self) -> list[str]:
+        """This callback's lines of the run summary."""
+        line = f"profiler: {self.windows_done} window(s), {len(self.trace_files)} trace file(s) in {self._trace_dir}"
+        report = self.last_report
+        if report is None:
+            return [line]
+        top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
+        return [line, "  last window's top op classes: " + ", ".join(f"{c} {p:.1f}%" for c, p in top)
+                + f" ({report.step_time_ms:.2f} ms / step)"]
 
     # the schedule
 
@@ -205,7 +227,7 @@ class ProfilerWindows(Callback):
             _sync()
             window.step_times.append(time.perf_counter() - window.batch_t0)
             window.batch_t0 = None
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_stderr():  # the last step of a window stops the profiler
             warnings.simplefilter("ignore")
             window.prof.step()
         if window.ready:
@@ -235,17 +257,17 @@ class ProfilerWindows(Callback):
         def ready(_: Any) -> None:
             window.ready = True
 
-        window.prof = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1),
-            on_trace_ready=ready,
-            record_shapes=self.record_shapes,
-            profile_memory=self.profile_memory,
-            with_stack=self.with_stack,
-            with_flops=self.with_flops,
-        )
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_stderr():
             warnings.simplefilter("ignore")  # "won't be using warmup" for warmup=0 is what the user asked for
+            window.prof = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1),
+                on_trace_ready=ready,
+                record_shapes=self.record_shapes,
+                profile_memory=self.profile_memory,
+                with_stack=self.with_stack,
+                with_flops=self.with_flops,
+            )
             window.prof.start()
         self._window = window
 
@@ -253,7 +275,7 @@ class ProfilerWindows(Callback):
         window, self._window = self._window, None
         if window is None:
             return
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_stderr():
             warnings.simplefilter("ignore")  # a cut window is "RECORD followed by NONE" to torch
             window.prof.stop()
         try:
@@ -308,9 +330,13 @@ class ProfilerWindows(Callback):
         writer.scalar("opkit/profiler/step_time_ms", report.step_time_ms, step)
         writer.scalar("opkit/profiler/profiled_steps", report.steps, step)
         percent = report.class_percent()
+        # A class is charted from the first window it ran in on (zeros after that keep its line whole); classes that
+        # never ran are not charted at all.
+        self._charted.update(cls for cls, us in report.class_self_us.items() if us > 0)
         for cls, us in report.class_self_us.items():
-            writer.scalar(f"opkit/profiler/{cls}/self_ms", us / 1e3 / report.steps, step)
-            writer.scalar(f"opkit/profiler/{cls}/percent", percent[cls], step)
+            if cls in self._charted:
+                writer.scalar(f"opkit/profiler/{cls}/self_ms", us / 1e3 / report.steps, step)
+                writer.scalar(f"opkit/profiler/{cls}/percent", percent[cls], step)
         writer.scalar("opkit/profiler/framework_ms", report.framework_self_us / 1e3 / report.steps, step)
         if report.peak_memory_bytes is not None:
             writer.scalar("opkit/profiler/peak_memory_mb", report.peak_memory_bytes / 2**20, step)
@@ -336,6 +362,25 @@ class ProfilerWindows(Callback):
         writer.text("opkit/profiler/op_classes", note + "\n\n" + markdown_table(
             ["class", "self ms / step", "% self"], class_rows), step)
         writer.flush()
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    # Kineto writes "USDT ... profiler_start/stop" lines straight to file descriptor 2 at each window's start and
+    # stop, through the progress bar; nothing else is written there in between.
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no usable stderr: nothing to keep quiet
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _sync() -> None:

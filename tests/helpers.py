@@ -130,11 +130,33 @@ def read_events(log_dir: str):
         for tag in tags.get("scalars", []):
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
         for tag in tags.get("tensors", []):
+            if tag == "custom_scalars__config__":
+                continue  # a serialized layout, read by read_layout
             for e in acc.Tensors(tag):
                 if e.tensor_proto.string_val:
                     texts.setdefault(tag.removesuffix("/text_summary"), []).append(
                         (e.step, e.tensor_proto.string_val[0].decode()))
     return scalars, texts
+
+
+def read_layout(log_dir: str) -> dict[str, dict[str, list[str]]]:
+    """The custom-scalars layouts written under ``log_dir``: category -> chart title -> tag regexes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    found: dict[str, dict[str, list[str]]] = {}
+    for path in glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(os.path.dirname(path), size_guidance={"tensors": 0})
+        acc.Reload()
+        if "custom_scalars__config__" not in acc.Tags().get("tensors", []):
+            continue
+        for event in acc.Tensors("custom_scalars__config__"):
+            layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+            for category in layout.category:
+                charts = found.setdefault(category.title, {})
+                for chart in category.chart:
+                    charts[chart.title] = list(chart.multiline.tag)
+    return found
 
 
 def snapshot(module: nn.Module) -> dict:

@@ -1,0 +1,56 @@
+"""What a user sees: the run summary, the custom-scalars layout, a quiet console during profiler windows."""
+
+import re
+
+import pytest
+from helpers import TinyNet, make_loader, read_events, read_layout, trainer
+from zoo import build
+
+from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, ProfilerWindows, TorchCompile
+
+
+def _all_four():
+    return [PrecisionPolicy(census_every_n_steps=2), NaNDetector(action="skip"),
+            ProfilerWindows(every_n_steps=2, warmup=0, active=1), TorchCompile(modules=["body"], backend="eager")]
+
+
+def test_summary_is_printed_once_and_logged(tmp_path, capsys):
+    trainer(tmp_path, _all_four(), max_steps=5).fit(TinyNet(forward_steps=(3,)), make_loader())
+    out = capsys.readouterr().out
+    assert out.count("opkit run summary (fit finished, global step 5)") == 1
+    log_dir = re.search(r"tensorboard --logdir (\S+)", out).group(1)
+    assert log_dir == str(tmp_path / "lightning_logs" / "version_0")
+    assert "NaN/Inf: 1 event(s), 1 skipped step(s)" in out and "first at step 3: forward in 'body.1'" in out
+    assert "profiler: 2 window(s)" in out and "last window's top op classes:" in out
+    assert "compile (eager):" in out and "regions: body" in out and "precision policy: matmul" in out
+    _, texts = read_events(str(tmp_path))
+    assert "opkit run summary" in texts["opkit/summary"][-1][1]
+
+
+def test_summary_on_an_exception(tmp_path, capsys):
+    with pytest.raises(NonFiniteError):
+        trainer(tmp_path, [NaNDetector(action="raise"), ProfilerWindows(every_n_steps=2, warmup=0, active=1)],
+                max_steps=5).fit(TinyNet(forward_steps=(3,)), make_loader())
+    out = capsys.readouterr().out
+    assert out.count("opkit run summary (ended by NonFiniteError") == 1 and "NaN/Inf: 1 event(s)" in out
+
+
+def test_custom_scalars_layout_names_the_opkit_charts(tmp_path):
+    model = build("torch_encoder")
+    trainer(tmp_path, _all_four()[:3], max_steps=5).fit(model, model.loader())
+    layout = read_layout(str(tmp_path))
+    assert set(layout) == {"opkit profiler", "opkit precision", "opkit nan", "opkit compile"}
+    assert layout["opkit profiler"]["op-class share of profiled self time (%)"] == [r"opkit/profiler/[a-z]+/percent"]
+    scalars, _ = read_events(str(tmp_path))
+    charted = {t.split("/")[2] for t in scalars if re.fullmatch(r"opkit/profiler/[a-z]+/percent", t)}
+    assert "matmul" in charted and "conv" not in charted and "rnn" not in charted  # never ran: not charted
+    for charts in layout.values():  # every chart's tags are ones opkit writes
+        for regexes in charts.values():
+            assert all(r.startswith("opkit/") for r in regexes)
+
+
+def test_profiler_windows_keep_the_console_quiet(tmp_path, capfd):
+    trainer(tmp_path, [ProfilerWindows(every_n_steps=2, warmup=0, active=1)], max_steps=5).fit(
+        TinyNet(), make_loader())
+    captured = capfd.readouterr()
+    assert "USDT" not in captured.err and "profiler_start" not in captured.err + captured.out
