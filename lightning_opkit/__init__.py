@@ -1,5 +1,6 @@
 """lightning_opkit: PyTorch Lightning callbacks for operator-level training work."""
 
+from lightning_opkit._modules import module_names
 from lightning_opkit._regions import find_blocks, strip_compile_prefix
 from lightning_opkit.compile import TorchCompile
 from lightning_opkit.nan import NaNDetector, NonFiniteError
@@ -18,6 +19,7 @@ __all__ = [
     "classify_module",
     "classify_name",
     "find_blocks",
+    "module_names",
     "strip_compile_prefix",
 ]
 

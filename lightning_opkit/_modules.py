@@ -62,6 +62,21 @@ def glob_match(name: str, pattern: str) -> bool:
     return _compile(pattern).match(name) is not None
 
 
+def module_names(model: nn.Module, pattern: str = "**") -> list[str]:
+    """The module paths of ``model`` that ``modules=`` globs match, with each module's class, to pick globs from.
+
+    Args:
+        model: the LightningModule (paths are relative to it, as the callbacks see them).
+        pattern: only paths matching this glob (default: all).
+
+    Example:
+        >>> from torch import nn
+        >>> module_names(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU())))
+        ['0 (Linear)', '1 (Sequential)', '1.0 (ReLU)']
+    """
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if name and glob_match(name, pattern)]
+
+
 def _close_names(pattern: str, names: list[str], n: int = 8) -> list[str]:
     stem = pattern.replace("*", "").replace("?", "").strip(".")
     close = difflib.get_close_matches(pattern, names, n=n, cutoff=0.4)
