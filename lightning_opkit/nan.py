@@ -417,6 +417,9 @@ class NaNDetector(Callback):
 
     def _act(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, report: dict[str, Any]) -> None:
         self.events.append(report)
+        # The buffers the bad forward wrote are put back whatever the action: a caught NonFiniteError leaves a model
+        # that still evaluates.
+        self._restore_buffers()
         if self.action == "raise":
             self._log(trainer, report)
             raise NonFiniteError(report)
@@ -424,9 +427,7 @@ class NaNDetector(Callback):
             self._log(trainer, report)
             raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
                                                 f" (max_consecutive_skips={self.max_consecutive_skips}).")
-        # The optimizer step itself is left out (see _skippable), and the buffers the bad forward wrote are put back.
-        self._skip_optimizer_step = True
-        self._restore_buffers()
+        self._skip_optimizer_step = True  # the optimizer step itself is left out (see _skippable)
         self._skipped_this_batch = True
         self.skipped_steps += 1
         self.consecutive_skips += 1

@@ -9,14 +9,20 @@ import pytest
 from helpers import read_events
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_script.py")
+ZOO_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_zoo_script.py")
+
+
+def run_two_ranks(script, out, arg):
+    """Run a 2-process DDP script; return what each rank wrote (rank0.json, rank1.json)."""
+    proc = subprocess.run([sys.executable, script, str(out), arg], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.parametrize("ranks", ["zero", "all"])
 def test_profiler_and_compile_under_ddp(tmp_path, ranks):
-    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path), ranks], capture_output=True, text=True,
-                          timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = run_two_ranks(SCRIPT, tmp_path, ranks)
     # compiled inside the DDP wrapper on both ranks, identical weights, plain checkpoint keys, undone at teardown
     assert r0["compiled"] == r1["compiled"] == ["blocks.0", "blocks.1"]
     assert r0["frames"] >= 1 and r1["frames"] >= 1 and r0["weights"] == r1["weights"]
@@ -31,15 +37,9 @@ def test_profiler_and_compile_under_ddp(tmp_path, ranks):
     assert "opkit/compile/compiles" in scalars
 
 
-ZOO_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_zoo_script.py")
-
-
 @pytest.mark.parametrize("regional", ["whole", "regional"])
 def test_all_four_callbacks_under_ddp_with_a_nan_on_one_rank(tmp_path, regional):
-    proc = subprocess.run([sys.executable, ZOO_SCRIPT, str(tmp_path), regional], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = run_two_ranks(ZOO_SCRIPT, tmp_path, regional)
     # Rank 1 alone saw the NaN: both ranks skipped the same step, named the same module, and kept identical weights.
     assert r0["events"] == r1["events"] == [[2, "forward", "model.encoder.layers.1.linear1", 1]]
     assert r0["skipped"] == r1["skipped"] == 1 and r0["global_step"] == r1["global_step"] == 5

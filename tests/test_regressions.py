@@ -146,6 +146,18 @@ def test_d09_skip_leaves_batchnorm_statistics_as_they_were(tmp_path):
     assert torch.isfinite(model(next(iter(model.loader())))).all()
 
 
+def test_d09_a_raise_leaves_batchnorm_statistics_as_they_were_too(tmp_path):
+    from lightning_opkit import NonFiniteError
+
+    model = build("bn_cnn", faults={"forward": 1})
+    probe = StepProbe(steps=[1])
+    with pytest.raises(NonFiniteError):
+        trainer(tmp_path, [NaNDetector(action="raise"), probe], max_steps=3).fit(model, model.loader())
+    before = probe.before[1]
+    assert all(torch.equal(b, before["buffers"][n]) for n, b in model.named_buffers())
+    assert all(torch.equal(p, before["params"][n]) for n, p in model.named_parameters())
+
+
 def test_d10_a_causal_minus_inf_mask_does_not_hide_the_culprit(tmp_path):
     model = build("torch_encoder", faults={"forward": 1}, deep="encoder.layers.1.self_attn")
     detector = NaNDetector(action="skip")
