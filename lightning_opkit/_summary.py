@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_opkit._tensorboard import TensorBoardWriter, run_log_dir
+from lightning_opkit._tensorboard import TensorBoardWriter
 
 #: TensorBoard's Custom Scalars tab: one multiline chart per question, tags as regular expressions.
 LAYOUT: dict[str, dict[str, list[Any]]] = {
@@ -96,15 +96,15 @@ def report(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter | None,
     Args:
         trainer: the trainer whose fit ended.
         callback: the calling opkit callback.
-        writer: its writer (``None``: print only).
+        writer: its writer (``None``: no summary, the callback was never set up for a fit).
         exception: what ended the fit, if it failed.
 
     Returns:
         The summary text, or ``None`` when this callback does not write it.
     """
-    if not is_first(trainer, callback) or not trainer.is_global_zero:
+    if not is_first(trainer, callback) or not trainer.is_global_zero or writer is None:
         return None
-    log_dir = run_log_dir(trainer)
+    log_dir = writer.run_dir  # not run_log_dir(trainer) here: under DDP that is a collective, and this is rank zero
     ended = f"ended by {type(exception).__name__}: {exception}" if exception else "fit finished"
     lines = [f"opkit run summary ({ended}, global step {trainer.global_step})",
              f"  logs and traces: {log_dir}",
@@ -113,7 +113,6 @@ def report(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter | None,
         lines += [f"  {line}" for line in cb.summary_lines()]
     text = "\n".join(lines)
     print("\n" + text, flush=True)
-    if writer is not None:
-        writer.text("opkit/summary", "\n".join(f"    {line}" for line in lines), trainer.global_step)
-        writer.flush()
+    writer.text("opkit/summary", "\n".join(f"    {line}" for line in lines), trainer.global_step)
+    writer.flush()
     return text

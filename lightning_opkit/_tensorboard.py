@@ -79,7 +79,8 @@ class TensorBoardWriter:
     def __init__(self, trainer: pl.Trainer) -> None:
         self._writer: Any = None
         self._owned = False
-        self.log_dir = run_log_dir(trainer)
+        #: the run's log directory (computed on every rank: under DDP ``trainer.log_dir`` is a collective)
+        self.run_dir = self.log_dir = run_log_dir(trainer)
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:

@@ -214,8 +214,8 @@ def test_ddp_two_ranks_agree(tmp_path, action):
     out.mkdir()
     proc = subprocess.run([sys.executable, DDP_SCRIPT, str(out), action], capture_output=True, text=True,
                           timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in results:
         # Only rank 1 saw the NaN; both ranks took the same action at the same step and name the same module.
         assert r["events"] == [[3, "forward", "body.1", 1]], r

@@ -28,7 +28,7 @@ def test_writes_to_the_trainers_tensorboard_logger(tmp_path):
     assert cb.log_dir == os.path.join(tmp_path, "lightning_logs", "version_0")
     scalars, texts = read_events(cb.log_dir)
     assert scalars["opkit/test/value"] == [(1, 0.0), (2, 1.5), (3, 3.0)]
-    assert "| 1 | 2.5 |" in texts["opkit/test/table"][0][1]
+    assert "| 1 | 2.500 |" in texts["opkit/test/table"][0][1]
 
 
 def test_without_a_logger_writes_under_the_root_dir(tmp_path):
