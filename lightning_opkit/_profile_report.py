@@ -33,6 +33,8 @@ class WindowReport:
     class_self_us: dict[str, float] = field(default_factory=dict)
     #: self time of framework spans (profiler step, optimizer step's Python, data loading): the loop's overhead
     framework_self_us: float = 0.0
+    #: total time per compiled region (TorchCompile's ``opkit region <path>`` spans)
+    region_total_us: dict[str, float] = field(default_factory=dict)
     peak_memory_bytes: float | None = None
     flops: int = 0
 
@@ -47,6 +49,9 @@ class WindowReport:
         return {cls: 100.0 * us / total for cls, us in self.class_self_us.items()}
 
 
+_REGION = "opkit region "
+
+
 def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> WindowReport:
     """Summarize a stopped profiler.
 
@@ -57,11 +62,14 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
     """
     ops = []
     framework_us = 0.0
+    regions: dict[str, float] = {}
     for e in prof.key_averages():
         self_us = float(e.self_device_time_total if use_device else e.self_cpu_time_total)
         total_us = float(e.device_time_total if use_device else e.cpu_time_total)
         if is_framework_event(e.key):
             framework_us += self_us
+            if e.key.startswith(_REGION):
+                regions[e.key[len(_REGION):]] = float(e.cpu_time_total)
             continue
         ops.append(OpRow(e.key, classify_profiler_event(e.key), int(e.count), self_us, total_us, int(e.flops or 0)))
     ops.sort(key=lambda r: r.self_us, reverse=True)
@@ -75,6 +83,7 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
         ops=ops,
         class_self_us=class_self,
         framework_self_us=framework_us,
+        region_total_us=regions,
         flops=sum(r.flops for r in ops),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -11,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch._dynamo
+import torch._inductor.config
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -235,6 +237,7 @@ class TorchCompile(Callback):
         self._batches = 0
         self._checked_frames = False
         self._hook_guards: Any = None
+        self._kernel_profile: Any = None
         self._limit_hit: set[Any] = set()
 
     # lifecycle
@@ -265,6 +268,11 @@ class TorchCompile(Callback):
         # was compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
         self._hook_guards = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
         self._hook_guards.__enter__()
+        # Inductor's CPU kernels then show in profiler windows under their own names (cpp_fused_add_gelu_3), which
+        # the taxonomy classifies by the ops they fuse; otherwise their time hides in the graph-call span. The
+        # marker in each kernel costs a flag check while no profiler runs.
+        self._kernel_profile = torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+        self._kernel_profile.__enter__()
         self.watch.open()
         self._writer = TensorBoardWriter(trainer)
         start_summary(self, trainer, self._writer)
@@ -307,11 +315,15 @@ class TorchCompile(Callback):
             compiles, recompiles = watch.compiles, len(watch.recompile_reasons)
             watch.region = region
             try:
-                if region.eager and _stance() == "default":
-                    with torch.compiler.set_stance("eager_on_recompile"):
+                # While a profiler window records, the region's time is a span named after it.
+                span = (torch.profiler.record_function(f"opkit region {region.name or '<LightningModule>'}")
+                        if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
+                with span:
+                    if region.eager and _stance() == "default":
+                        with torch.compiler.set_stance("eager_on_recompile"):
+                            out = compiled(*args, **kwargs)
+                    else:
                         out = compiled(*args, **kwargs)
-                else:
-                    out = compiled(*args, **kwargs)
             except _COMPILE_FAILURES as err:
                 if not self.fallback:
                     raise
@@ -398,6 +410,9 @@ class TorchCompile(Callback):
         if self._hook_guards is not None:
             self._hook_guards.__exit__(None, None, None)
             self._hook_guards = None
+        if self._kernel_profile is not None:
+            self._kernel_profile.__exit__(None, None, None)
+            self._kernel_profile = None
 
     # observability
 

@@ -25,6 +25,8 @@ __all__ = [
     "classify_name",
     "classify_profiler_event",
     "function_info",
+    "fused_kernel_class",
+    "fused_kernel_ops",
     "is_framework_event",
     "is_inplace",
 ]
@@ -289,15 +291,77 @@ def classify_profiler_event(name: str) -> str:
     """
     if is_framework_event(name):
         return "other"
+    fused = fused_kernel_ops(name)
+    if fused is not None:
+        return fused_kernel_class(fused)
     if name.endswith("AccumulateGrad"):  # ``torch::autograd::AccumulateGrad``: adds a gradient into ``.grad``
         return "pointwise"
     return classify_name(name)
 
 
+_FUSED = re.compile(r"^(?:graph_\d+_)?(?:cpp_fused|triton_(?:poi|red|per|tem|for|mm|bmm|convolution)(?:_fused)?)"
+                    r"_?(.*?)(?:_\d+)?$")
+# A fused kernel gets the class of its dominant op: the strongest by this order.
+_FUSED_ORDER = ("attention", "conv", "matmul", "rnn", "loss", "norm", "softmax", "embedding", "activation",
+                "reduction", "pointwise", "copy", "layout")
+
+
+def fused_kernel_ops(name: str) -> list[str] | None:
+    """The ops an Inductor fused kernel (``cpp_fused_*`` on CPU, ``triton_*`` on GPU) fuses, from its name.
+
+    Args:
+        name: a profiler event or kernel name.
+
+    Returns:
+        The op names found in it, in order, or ``None`` when ``name`` is not an Inductor fused kernel.
+
+    Example:
+        >>> fused_kernel_ops("cpp_fused__log_softmax__to_copy_nll_loss_forward_3")
+        ['log_softmax', 'to_copy', 'nll_loss_forward']
+        >>> fused_kernel_ops("triton_poi_fused_add_gelu_0"), fused_kernel_ops("aten::add")
+        (['add', 'gelu'], None)
+        >>> fused_kernel_ops("graph_0_cpp_fused_add_native_layer_norm_view_4")  # as Inductor's kernel profile names it
+        ['add', 'native_layer_norm', 'view']
+    """
+    match = _FUSED.match(name.strip())
+    if match is None:
+        return None
+    tokens = [t for t in match.group(1).split("_") if t]
+    ops, i = [], 0
+    while i < len(tokens):
+        for j in range(len(tokens), i, -1):  # the longest run of tokens that names an op
+            candidate = "_".join(tokens[i:j])
+            if _classify_plain(candidate) != "other":
+                ops.append(candidate)
+                i = j
+                break
+        else:
+            i += 1
+    return ops
+
+
+def fused_kernel_class(ops: list[str]) -> str:
+    """The class of a fused kernel: that of its dominant op (see :func:`fused_kernel_ops`).
+
+    Args:
+        ops: the op names it fuses.
+
+    Example:
+        >>> fused_kernel_class(["add", "gelu"]), fused_kernel_class(["native_layer_norm", "view"])
+        ('activation', 'norm')
+    """
+    classes = {_classify_plain(op) for op in ops}
+    return next((cls for cls in _FUSED_ORDER if cls in classes), "other")
+
+
 # Spans that hold Python time of the training loop, not operators: the profiler step, the optimizer step (which in
 # Lightning holds the whole closure's Python time), data loading.
 _FRAMEWORK = re.compile(r"^(ProfilerStep#|ProfilerStep\*|Optimizer\.|enumerate\(DataLoader\)|_\w*DataLoaderIter|\[pl\]|"
-                        r"cudaDeviceSynchronize|cudaStreamSynchronize)")
+                        r"cudaDeviceSynchronize|cudaStreamSynchronize|"
+                        # compiled code's own Python: the region span opkit opens, Inductor's graph-call span,
+                        # dynamo's cache lookup; the kernels inside them are events of their own
+                        r"opkit region |## Call CompiledFxGraph|CompiledFunction|TorchDynamo Cache Lookup|"
+                        r"Torch-Compiled Region)")
 
 
 def is_framework_event(name: str) -> bool:

@@ -359,8 +359,13 @@ class ProfilerWindows(Callback):
         writer.text("opkit/profiler/top_ops", note + "\n\n" + markdown_table(headers, rows), step)
         class_rows = [[cls, us / 1e3 / report.steps, percent[cls]] for cls, us in
                       sorted(report.class_self_us.items(), key=lambda kv: -kv[1]) if us > 0]
+        regions = ""
+        if report.region_total_us:
+            regions = "\n\n**Compiled regions** (TorchCompile), total ms / step:\n\n" + markdown_table(
+                ["region", "total ms / step"], sorted(([name, us / per_step] for name, us in
+                                                       report.region_total_us.items()), key=lambda r: -r[1]))
         writer.text("opkit/profiler/op_classes", note + "\n\n" + markdown_table(
-            ["class", "self ms / step", "% self"], class_rows), step)
+            ["class", "self ms / step", "% self"], class_rows) + regions, step)
         writer.flush()
 
 

@@ -54,3 +54,27 @@ def test_profiler_windows_keep_the_console_quiet(tmp_path, capfd):
         TinyNet(), make_loader())
     captured = capfd.readouterr()
     assert "USDT" not in captured.err and "profiler_start" not in captured.err + captured.out
+
+
+@pytest.mark.slow
+def test_compiled_code_is_named_and_classified_in_profiles(tmp_path):
+    # The example under regional Inductor: fused kernels classified by the ops they fuse, regions named.
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from examples.vit import ViTClassifier, load_digits_tensors
+
+    x, y = load_digits_tensors()
+    windows = ProfilerWindows(every_n_steps=6, warmup=1, active=3)
+    compiler = TorchCompile(modules=["model.blocks.*"])  # inductor
+    trainer(tmp_path, [windows, compiler], max_steps=10).fit(
+        ViTClassifier(depth=2), DataLoader(TensorDataset(x[:640], y[:640]), batch_size=64))
+    report = windows.last_report
+    fused = [r for r in report.ops if "cpp_fused" in r.name]
+    assert fused and all(r.op_class != "other" for r in fused), [(r.name, r.op_class) for r in fused]
+    assert report.class_percent()["other"] < 5, sorted((r.self_us, r.name) for r in report.ops
+                                                       if r.op_class == "other")[-5:]
+    assert set(report.region_total_us) == {"model.blocks.0", "model.blocks.1"}
+    _, texts = read_events(str(tmp_path))
+    assert "| model.blocks.0 |" in texts["opkit/profiler/op_classes"][-1][1]
+    assert torch._inductor.config.cpp.enable_kernel_profile is False  # restored after fit
