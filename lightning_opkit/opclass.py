@@ -361,7 +361,9 @@ _FRAMEWORK = re.compile(r"^(ProfilerStep#|ProfilerStep\*|Optimizer\.|enumerate\(
                         # compiled code's own Python: the region span opkit opens, Inductor's graph-call span,
                         # dynamo's cache lookup; the kernels inside them are events of their own
                         r"opkit region |## Call CompiledFxGraph|CompiledFunction|TorchDynamo Cache Lookup|"
-                        r"Torch-Compiled Region)")
+                        r"Torch-Compiled Region|"
+                        # compilation itself, when a window catches a (re)compile
+                        r".*\(dynamo_timed\)$|PythonDispatchMode$|PythonSubclass$|dynamo$)")
 
 
 def is_framework_event(name: str) -> bool:

@@ -353,9 +353,11 @@ class ProfilerWindows(Callback):
                  100 * r.self_us / total] + ([r.flops / 1e9 / report.steps] if self.with_flops else [])
                 for r in report.ops[: self.top_k]]
         first = step - report.steps + 1
+        overhead = report.framework_self_us / per_step
         note = (f"Window {self.windows_done}: steps {first}-{step} ({report.steps} step(s)"
                 + (", cut short)" if partial else ")") + f"; framework / Python overhead (profiler step, optimizer"
-                f" step, data loading) {report.framework_self_us / per_step:.3f} ms / step, not in the shares")
+                f" step, data loading, compiled code's Python, compilation) {overhead:.3f} ms / step, not in the"
+                " shares")
         writer.text("opkit/profiler/top_ops", note + "\n\n" + markdown_table(headers, rows), step)
         class_rows = [[cls, us / 1e3 / report.steps, percent[cls]] for cls, us in
                       sorted(report.class_self_us.items(), key=lambda kv: -kv[1]) if us > 0]

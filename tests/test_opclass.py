@@ -129,6 +129,10 @@ def test_every_class_is_known_and_unknown_is_other():
         ("aten::to", "copy"),
         ("aten::tril", "pointwise"),
         ("aten::triu", "pointwise"),
+        ("graph_0_cpp_fused_add_native_layer_norm_view_4", "norm"),  # Inductor's fused kernels: the dominant op
+        ("cpp_fused__log_softmax__to_copy_nll_loss_forward_3", "loss"),
+        ("triton_poi_fused_add_gelu_0", "activation"),
+        ("bytecode_tracing (dynamo_timed)", "other"),  # compilation: framework, not in the shares
     ],
 )
 def test_taxonomy_gaps_seen_in_real_profiles(event, expected):
@@ -153,3 +157,12 @@ def test_modules_opkit_does_not_know_are_classified_by_what_they_run_or_their_na
     assert classify_module(conv1d) == "other"  # no torch.nn type, no ops seen: nothing to go on but the name
     assert classify_module(conv1d, {"matmul": 1, "copy": 2}) == "matmul"
     assert classify_module(llama.get_submodule("model.layers.0.input_layernorm")) == "norm"
+
+
+@pytest.mark.parametrize("name", ["bytecode_tracing (dynamo_timed)", "PythonDispatchMode", "opkit region blocks.0",
+                                  "## Call CompiledFxGraph fjsuuigafy57 ##", "Optimizer.step#AdamW.step",
+                                  "ProfilerStep#3", "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"])
+def test_framework_spans_are_reported_apart(name):
+    from lightning_opkit.opclass import is_framework_event
+
+    assert is_framework_event(name) and not is_framework_event("aten::mm")

@@ -1,0 +1,81 @@
+"""Screenshots of what a user sees in TensorBoard, for the README: the custom-scalars view and the op-class table.
+
+Trains the example ViT briefly with all four callbacks (eager compile backend, so it takes well under a minute on
+CPU), serves the logs with TensorBoard on 127.0.0.1, and has headless Chromium (Debian's ``chromium-headless-shell``)
+save the pages as PNGs in ``docs/``.
+
+    python docs/screenshots.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PAGES = {"custom_scalars.png": "#custom_scalars", "op_classes.png": "#text&tagFilter=op_classes"}
+
+
+def train(log_dir: str) -> None:
+    """A short run of the example config (eager compile backend, windows every 20 steps)."""
+    from examples.train import main
+
+    config = os.path.join(ROOT, "examples", "config.yaml")
+    cli = main(["--config", config, "--trainer.default_root_dir", log_dir, "--trainer.max_epochs", "1",
+                "--trainer.limit_train_batches", "60", "--trainer.limit_val_batches", "2",
+                "--trainer.logger.init_args.save_dir", log_dir, "--trainer.enable_progress_bar", "false",
+                "--trainer.callbacks.init_args.backend", "eager"], run=False)
+    for callback in cli.trainer.callbacks:
+        if type(callback).__name__ == "ProfilerWindows":
+            callback.every_n_steps = 20
+        if type(callback).__name__ == "PrecisionPolicy":
+            callback.census_every_n_steps = 10
+    cli.trainer.fit(cli.model, cli.datamodule)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    """Train, serve, screenshot."""
+    browser = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+    if browser is None:
+        sys.exit("needs headless Chromium: apt-get install chromium-headless-shell")
+    log_dir = tempfile.mkdtemp()
+    train(log_dir)
+    port = free_port()
+    board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1",
+                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(60):  # bounded wait for the server to answer
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        for name, fragment in PAGES.items():
+            out = os.path.join(ROOT, "docs", name)
+            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            "--window-size=1400,1000", "--virtual-time-budget=15000", f"--screenshot={out}",
+                            f"http://127.0.0.1:{port}/{fragment}"], check=True, timeout=120,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(f"wrote {out}")
+    finally:
+        board.terminate()
+        board.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
