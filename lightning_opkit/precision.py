@@ -142,14 +142,9 @@ class _PolicyMode(TorchFunctionMode):
             written: list[tuple[Tensor, Tensor]] = []
             if func in _UPDATED_ARGS:
                 args, kwargs, written = _cast_updated(func, args, kwargs, dtype)
-            cast_args = tuple(_cast(a, dtype) for a in args)
+            args = tuple(_cast(a, dtype) for a in args)
             if kwargs:
                 kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-                if kwargs.get("inplace") and cast_args and cast_args[0] is not args[0]:
-                    # The op would write into our temporary cast, not the caller's tensor: out of place is the same
-                    # result, and aot_autograd mis-derives the backward of an in-place op on a cast.
-                    kwargs["inplace"] = False
-            args = cast_args
             if not policy._autocast_devices:
                 out = func(*args, **kwargs)
             elif compiling:
