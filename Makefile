@@ -22,7 +22,8 @@ test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/train.py fit --config examples/config.yaml --trainer.default_root_dir $(LOGDIR)
+	$(PY) examples/train.py fit --config examples/config.yaml --trainer.default_root_dir $(LOGDIR) \
+		--trainer.logger.init_args.save_dir $(LOGDIR)
 	@echo
 	@echo "Open the logs with:"
 	@echo "  $(VENV)/bin/tensorboard --logdir $(LOGDIR)"
