@@ -8,7 +8,6 @@ that computes the loss, and is tested without a Trainer.
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -19,9 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
-from torchmetrics import Metric
 
 from lightning_opkit._patch import Patches
+from lightning_opkit._replay import preserved
 from lightning_opkit.opclass import classify_function, classify_module
 
 
@@ -181,16 +180,6 @@ def _owner(param_name: str, named: dict[str, nn.Module]) -> tuple[str, nn.Module
     return path, named.get(path)
 
 
-_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
-
-
-def _metric_state(metric: Metric) -> dict[str, Any]:
-    """What a torchmetrics ``update`` changes: states (copied: updates are in place) and bookkeeping."""
-    state = {k: copy.deepcopy(vars(metric)[k]) for k in metric._defaults if k in vars(metric)}
-    state.update({k: vars(metric)[k] for k in _METRIC_BOOKKEEPING if k in vars(metric)})
-    return state
-
-
 def replay(
     model: nn.Module,
     compute_loss: Callable[[], Tensor | None],
@@ -219,24 +208,16 @@ def replay(
         The recorder and the replayed loss (detached), or ``None`` if the step returned no loss.
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    metrics = [(m, _metric_state(m)) for m in model.modules() if isinstance(m, Metric)]
     stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
     recorder = Recorder(modules, params, forward=forward, backward=backward, module_backward=module_backward)
     loss: Tensor | None = None
-    try:
-        with stance or contextlib.nullcontext(), recorder, recorder.ops, torch.enable_grad(), warnings.catch_warnings():
-            # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
-            warnings.simplefilter("ignore", UserWarning)
-            loss = compute_loss()
-            if backward and loss is not None and loss.requires_grad:
-                torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-    finally:
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
-        for metric, state in metrics:
-            vars(metric).update(state)
+    with preserved(model, rng=False), stance or contextlib.nullcontext(), recorder, recorder.ops, \
+            torch.enable_grad(), warnings.catch_warnings():
+        # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
+        warnings.simplefilter("ignore", UserWarning)
+        loss = compute_loss()
+        if backward and loss is not None and loss.requires_grad:
+            torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
     return recorder, None if loss is None else loss.detach()
 
 

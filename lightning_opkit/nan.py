@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -15,10 +17,13 @@ from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs, check_int
 from lightning_opkit._modules import resolve_modules
+from lightning_opkit._nan_locate import _floats as floats
 from lightning_opkit._nan_locate import describe, replay
 from lightning_opkit._patch import Patches
+from lightning_opkit._replay import autocast_off_in, loss_of, quiet_logging, rng_state, run_step, set_rng_state
 from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.precision import PrecisionPolicy
 
 __all__ = ["NaNDetector", "NonFiniteError"]
 
@@ -48,18 +53,19 @@ def format_report(report: dict[str, Any]) -> str:
         >>> format_report({"step": 3, "phase": "loss", "module": "", "module_type": "Net", "nan": 1, "inf": 0})
         'Non-finite loss at global step 3 (the loss of Net): 1 NaN and 0 Inf values.'
     """
+    cause = f" Cause: {report['cause']}: {report['advice']}." if report.get("cause") else ""
     phase, step = report["phase"], report["step"]
     where = {"forward": "output", "backward": "gradient", "loss": "loss"}.get(phase, phase)
     if report.get("module") is None:
         return (
             f"Non-finite {where} at global step {step}, seen by the per-step check but not reproduced when the step"
             f" was replayed with per-module hooks, so no module can be named (is the model non-deterministic?)."
-        )
+        ) + cause
     if phase == "loss":
         return (
             f"Non-finite loss at global step {step} (the loss of {report['module_type']}): "
             f"{report['nan']} NaN and {report['inf']} Inf values."
-        )
+        ) + cause
     subject = f"module '{report['module']}' ({report['module_type']}, op class {report['op_class']})"
     if report.get("parameter"):
         subject = f"the gradient of parameter '{report['parameter']}' of " + subject
@@ -71,7 +77,7 @@ def format_report(report: dict[str, Any]) -> str:
     if phase == "forward" or not report.get("parameter"):
         rng = f"min {report['input_min']:.4g}, max {report['input_max']:.4g}, abs-max {report['input_absmax']:.4g}"
         text += f" while its {'inputs' if phase == 'forward' else 'output gradients'} were finite ({rng})"
-    return text + "."
+    return text + "." + cause
 
 
 @dataclass
@@ -80,17 +86,6 @@ class _MicroBatch:
     batch_idx: int
     rng: tuple[Tensor, Any]
     loss: Tensor | None = None
-
-
-def _rng_state() -> tuple[Tensor, Any]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[Tensor, Any]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
 
 
 def _all_finite(tensors: list[Tensor]) -> Tensor:
@@ -290,7 +285,7 @@ class NaNDetector(Callback):
             if not self._pending and self._buffers:
                 self._save_buffers()
             # References only: the batch and RNG state are what a replay needs to reproduce this micro-batch.
-            self._pending.append(_MicroBatch(batch, batch_idx, _rng_state()))
+            self._pending.append(_MicroBatch(batch, batch_idx, rng_state()))
         else:
             self._pending.clear()
 
@@ -347,18 +342,20 @@ class NaNDetector(Callback):
         named = dict(pl_module.named_modules())
         found: dict[str, Any] | None = None
         batch_idx = pending[-1].batch_idx if pending else -1
-        resume_rng = _rng_state()
+        resume_rng = rng_state()
         try:
             for micro in pending:
                 found = self._replay_one(trainer, pl_module, micro, named)
                 if found is not None:
                     batch_idx = micro.batch_idx
+                    found.update(self._cause(trainer, pl_module, micro, found, named))
                     break
         finally:
-            _set_rng_state(resume_rng)
+            set_rng_state(resume_rng)
         if found is None:
             found = {"phase": "loss" if loss_bad else "backward", "module": None, "module_type": "-",
-                     "op_class": "-", "parameter": None, "dtype": "-", "nan": 0, "inf": 0}
+                     "op_class": "-", "parameter": None, "dtype": "-", "nan": 0, "inf": 0, "cause": "transient",
+                     "advice": "seen by the check, not reproduced by the replay: non-deterministic code or hardware"}
         report = {"step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "rank": trainer.global_rank, **found,
                   "action": self.action}
@@ -369,36 +366,32 @@ class NaNDetector(Callback):
             report = next((r for r in reports if r.get("module") is not None), reports[0])
         return report
 
+    def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
+                   autocast: bool = True) -> Callable[[], Tensor | None]:
+        def compute_loss() -> Tensor | None:
+            plugin = trainer.precision_plugin.train_step_context() if autocast else contextlib.nullcontext()
+            with quiet_logging(pl_module), plugin:
+                return loss_of(pl_module.training_step(micro.batch, micro.batch_idx))
+
+        return compute_loss
+
     def _replay_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
                     named: dict[str, torch.nn.Module]) -> dict[str, Any] | None:
-        _set_rng_state(micro.rng)
-        quiet = Patches()
-
-        def compute_loss() -> Tensor | None:
-            # The replay must not log twice: silence self.log for its duration.
-            quiet.set(pl_module, "log", lambda *args, **kwargs: None)
-            quiet.set(pl_module, "log_dict", lambda *args, **kwargs: None)
-            with trainer.precision_plugin.train_step_context():
-                out = pl_module.training_step(micro.batch, micro.batch_idx)
-            loss = out.get("loss") if isinstance(out, dict) else out
-            return loss if isinstance(loss, Tensor) else None
-
+        set_rng_state(micro.rng)
+        compute_loss = self._step_loss(trainer, pl_module, micro)
         recorder = loss = None
         failure: Exception | None = None
-        try:
-            # Full backward hooks refuse models that modify a hooked output in place (ReLU(inplace=True));
-            # then parameters alone are watched in backward.
-            for module_backward in (True, False):
-                try:
-                    recorder, loss = replay(pl_module, compute_loss, modules=self._hooked,
-                                            forward=self.check_forward, backward=self.check_backward,
-                                            module_backward=module_backward)
-                    break
-                except Exception as err:  # the user's step itself may fail too: report without a module
-                    failure = err
-                    _set_rng_state(micro.rng)
-        finally:
-            quiet.restore()
+        # Full backward hooks refuse models that modify a hooked output in place (ReLU(inplace=True));
+        # then parameters alone are watched in backward.
+        for module_backward in (True, False):
+            try:
+                recorder, loss = replay(pl_module, compute_loss, modules=self._hooked,
+                                        forward=self.check_forward, backward=self.check_backward,
+                                        module_backward=module_backward)
+                break
+            except Exception as err:  # the user's step itself may fail too: report without a module
+                failure = err
+                set_rng_state(micro.rng)
         if recorder is None:
             warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {failure}",
                           stacklevel=2)
@@ -414,6 +407,49 @@ class NaNDetector(Callback):
                         "nan": nan, "inf": inf}
         origin = recorder.backward_origin() if self.check_backward else None
         return describe(origin, named, "backward", recorder) if origin is not None else None
+
+    def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
+               found: dict[str, Any], named: dict[str, torch.nn.Module]) -> dict[str, Any]:
+        """Replay with the culprit in fp32, then as is: ``precision``, ``data_or_model`` or ``transient``."""
+        path = found["module"]
+        culprit = named.get(path) if path else None
+        where = f"module {path!r}" if culprit is not None else "the whole step"
+        if self._non_finite_again(trainer, pl_module, micro, found, culprit, fp32=True):
+            return {"cause": "data_or_model",
+                    "advice": f"non-finite with {where} in fp32 too: check batch {micro.batch_idx}'s data and the"
+                              f" model's numerics (learning rate, log/division of zero, initialization)"}
+        if not self._non_finite_again(trainer, pl_module, micro, found, culprit, fp32=False):
+            return {"cause": "transient",
+                    "advice": "not reproduced by a second replay as is: non-deterministic code or hardware"}
+        fix = (f"PrecisionPolicy(modules={{{path!r}: 'fp32'}})" if culprit is not None
+               else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")
+        return {"cause": "precision", "advice": f"finite with {where} in fp32, non-finite as is: try {fix}"}
+
+    def _non_finite_again(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
+                          found: dict[str, Any], culprit: torch.nn.Module | None, fp32: bool) -> bool:
+        """Replay the micro-batch (the culprit, else the whole step, in fp32 if asked); is the fault there again?"""
+        set_rng_state(micro.rng)
+        compute_loss = self._step_loss(trainer, pl_module, micro, autocast=not (fp32 and culprit is None))
+        policies = [c for c in trainer.callbacks if isinstance(c, PrecisionPolicy)]  # type: ignore[attr-defined]
+        outputs: list[Tensor] = []
+        with contextlib.ExitStack() as stack:
+            if fp32:
+                for policy in policies:
+                    stack.enter_context(policy.running_in(culprit, "fp32"))
+                stack.enter_context(autocast_off_in(culprit))
+            if culprit is not None and found["phase"] == "forward":
+                handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(floats(out)))
+                stack.callback(handle.remove)
+            try:
+                loss, grads = run_step(pl_module, compute_loss, backward=found["phase"] == "backward")
+            except Exception as err:  # the step failing in a replay: the fault cannot be ruled out
+                warnings.warn(f"NaNDetector: a cause replay failed ({type(err).__name__}: {err})", stacklevel=2)
+                return True
+        if found["phase"] == "forward" and culprit is not None:
+            return not all(bool(t.isfinite().all()) for t in outputs)
+        if found["phase"] == "backward":
+            return not all(bool(g.isfinite().all()) for g in grads if g is not None)
+        return loss is not None and not bool(loss.float().isfinite().all())
 
     def _act(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, report: dict[str, Any]) -> None:
         self.events.append(report)
@@ -458,4 +494,6 @@ class NaNDetector(Callback):
         rows = [[key, "-" if value is None else value] for key, value in report.items()]
         self._writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows),
                           step)
+        if report.get("cause"):
+            self._writer.text("opkit/nan/cause", f"**{report['cause']}**: {report['advice']}", step)
         self._writer.flush()

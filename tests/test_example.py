@@ -33,14 +33,19 @@ def test_config_trains_with_every_callback_and_logs(tmp_path):
                 "--trainer.callbacks.init_args.backend", "eager"], run=False)
     opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
     assert [type(c).__name__ for c in opkit] == names
-    assert opkit[0].modules == {"model.head": "fp32"} and opkit[1].action == "skip" and opkit[3].backend == "eager"
+    assert opkit[0].rules == "auto" and opkit[0].modules == {"model.head": "fp32"}
+    assert opkit[1].action == "skip" and opkit[3].backend == "eager"
     opkit[2].every_n_steps = 5  # a window inside 12 steps
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 12
     scalars, texts = read_events(str(tmp_path))
-    assert "train/loss" in scalars and "opkit/precision/matmul/headroom_bits" in scalars
+    assert "train/loss" in scalars and "opkit/precision/matmul/calls" in scalars
     assert "opkit/profiler/step_time_ms" in scalars and "opkit/compile/compiles" in scalars
-    assert "opkit/precision/policy" in texts
+    assert "opkit/precision/policy" in texts and "opkit/precision/decision" in texts
+    sensitivity = texts["opkit/precision/sensitivity"][0][1]
+    assert "| matmul | bf16 |" in sensitivity and "| attention |" not in sensitivity  # the ViT writes its attention
+    assert set(opkit[0].decisions) == {"matmul", "conv", "norm", "softmax", "activation", "loss", "reduction",
+                                       "pointwise"}
     assert DigitsDataModule().batch_size == 64
 
 
@@ -49,10 +54,11 @@ def test_short_class_names_and_a_dtype_typo_fails_at_parse_time(tmp_path, capsys
 
     cli = main(["--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks+=NaNDetector",
                 "--trainer.callbacks.init_args.action=skip", "--trainer.callbacks+=PrecisionPolicy",
-                "--trainer.callbacks.init_args.rules={matmul: fp32}"], run=False)
+                "--trainer.callbacks.init_args.rules={matmul: fp32}", "--trainer.callbacks+=PrecisionPolicy",
+                "--trainer.callbacks.init_args.rules=auto"], run=False)
     opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
-    assert [type(c).__name__ for c in opkit] == ["NaNDetector", "PrecisionPolicy"]
-    assert opkit[0].action == "skip" and opkit[1].rules == {"matmul": "fp32"}  # each flag binds to the one before it
+    assert [type(c).__name__ for c in opkit] == ["NaNDetector", "PrecisionPolicy", "PrecisionPolicy"]
+    assert opkit[0].action == "skip" and opkit[1].rules == {"matmul": "fp32"} and opkit[2].rules == "auto"  # each flag binds to the one before it
     with pytest.raises(SystemExit):
         main(["--trainer.callbacks+=PrecisionPolicy", "--trainer.callbacks.init_args.rules={matmul: bf61}"],
              run=False)

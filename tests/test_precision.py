@@ -9,6 +9,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_opkit import PrecisionPolicy
+from lightning_opkit.precision.census import Census
 
 
 class Probe(pl.LightningModule):
@@ -101,22 +102,72 @@ def test_gradients_reach_every_parameter(tmp_path):
 
 def test_census_in_tensorboard_matches_the_activations(tmp_path):
     model = Probe(scale=3.0)
-    policy = PrecisionPolicy(census_every_n_steps=2)
+    policy = PrecisionPolicy(census_every_n_steps=2, modules={"head": "fp32"}, check_speed=False)
     trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
     scalars, texts = read_events(str(tmp_path))
-    steps = [s for s, _ in scalars["opkit/precision/norm/headroom_bits"]]
+    steps = [s for s, _ in scalars["opkit/precision/norm/calls"]]
     assert steps == [1, 3]  # census at global steps 0 and 2, logged after their optimizer step
-    peak = policy.census[("norm", "fp32")]["absmax"]
-    assert policy.census[("norm", "fp32")]["calls"] == 1
-    assert peak == pytest.approx(model.peaks["norm"], rel=1e-6) or peak <= model.peaks["norm"]
-    expected = math.log2(torch.finfo(torch.float32).max / peak)
-    assert scalars["opkit/precision/norm/headroom_bits"][-1][1] == pytest.approx(expected, rel=1e-5)
-    bf_head = policy.census[("matmul", "bf16")]["headroom_bits"]
-    assert scalars["opkit/precision/matmul/headroom_bits"][-1][1] == pytest.approx(bf_head, rel=1e-5)
-    assert policy.census[("matmul", "bf16")]["calls"] == 4  # body, a @ w, inner.0, head
+    norm = policy.census[("norm", "fp32")]
+    assert norm["calls"] == 1 and norm["rel_error"] is None and norm["headroom_bits"] is None
+    assert norm["absmax"] == pytest.approx(model.peaks["norm"], rel=1e-6) or norm["absmax"] <= model.peaks["norm"]
+    # bf16 has fp32's range: no headroom figure; its risk is lost mantissa, measured against fp32 recomputes
+    matmul = policy.census[("matmul", "bf16")]
+    assert matmul["calls"] == 3 and not matmul["override"]  # body, a @ w, inner.0 (head is overridden to fp32)
+    assert 1e-4 < matmul["rel_error"] < 2e-2 and matmul["underflow_frac"] == 0.0
+    assert policy.census[("matmul", "fp32")]["override"] and policy.census[("matmul", "fp32")]["calls"] == 1
+    assert scalars["opkit/precision/matmul/rel_error"][-1][1] == pytest.approx(matmul["rel_error"], rel=1e-5)
+    assert "opkit/precision/matmul/underflow_frac" in scalars
+    assert not [t for t in scalars if t.endswith("headroom_bits")]  # nothing ran in fp16
+    assert not [t for t in scalars if t.startswith(("opkit/precision/norm/rel", "opkit/precision/loss/rel"))]
     table = texts["opkit/precision/census"][-1][1]
-    assert "| norm | fp32 | fp32 | 1 |" in table and "| matmul | bf16 | bf16 | 4 |" in table
+    assert "| matmul | bf16 | class rule (bf16) | 3 |" in table and "| matmul | fp32 | module override | 1 |" in table
+    body = [line for line in table.splitlines()[2:] if line.startswith("| ")]
+    errors = [line.split(" | ")[4] for line in body]
+    known = [float(e) for e in errors if e != "-"]
+    assert known == sorted(known, reverse=True) and errors.index("-") == len(known)  # riskiest first
     assert "| softmax | fp32 |" in texts["opkit/precision/policy"][0][1]
+
+
+def test_census_error_and_underflow_against_an_fp32_recompute():
+    x = torch.tensor([1.0, 3.14159, -2.71828, 1e-6, 1e-9, 0.0])
+    census = Census()
+    census.record("pointwise", x.half(), override=False, ref=x)
+    census.record("pointwise", x.bfloat16(), override=True, ref=x)
+    census.record("pointwise", x, override=False)  # fp32: counted, no error figure
+    rows = {(r.dtype, r.override): r for r in census.rows()}
+    half, bf = rows[("fp16", False)], rows[("bf16", True)]
+    expected = float((x.half().float() - x).norm() / x.norm())
+    assert half.rel_error == pytest.approx(expected, rel=1e-5) and bf.rel_error > 0
+    assert half.underflow_frac == pytest.approx(2 / 6)  # 1e-6 is fp16-subnormal, 1e-9 flushes to zero; 0 was zero
+    assert bf.underflow_frac == 0.0 and bf.headroom_bits is None
+    assert half.headroom_bits == pytest.approx(math.log2(65504 / 3.140625), rel=1e-4)
+    assert rows[("fp32", False)].rel_error is None and rows[("fp32", False)].calls == 1
+
+
+class Tiny(pl.LightningModule):
+    """Activations around 1e-6: fp16-subnormal, fine in fp32 and bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.lin(x * 1e-6) * 1e6, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_fp16_census_charts_headroom_and_underflow(tmp_path):
+    model = Tiny()
+    policy = PrecisionPolicy(rules={"matmul": "fp16"}, census_every_n_steps=1, check_speed=False)
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    trainer(tmp_path, [policy], max_steps=1, plugins=[plugin]).fit(model, make_loader())
+    scalars, _ = read_events(str(tmp_path))
+    matmul = policy.census[("matmul", "fp16")]
+    assert matmul["underflow_frac"] > 0 and matmul["headroom_bits"] > 10
+    assert "opkit/precision/matmul/headroom_bits" in scalars and "opkit/precision/norm/headroom_bits" not in scalars
 
 
 def test_census_off_records_nothing(tmp_path):

@@ -1,0 +1,154 @@
+"""Run a training step again without leaving a trace: buffers, metric states and the RNG put back, logging silenced.
+
+Both slow paths that re-run a user's step use this: NaNDetector's localization and cause replays, and
+PrecisionPolicy's measurement runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_opkit._patch import Patches
+
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
+
+
+def rng_state() -> tuple[Tensor, Any]:
+    """The CPU (and, once initialized, CUDA) RNG state."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[Tensor, Any]) -> None:
+    """Put back what :func:`rng_state` returned."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    """What a torchmetrics ``update`` changes: states (copied: updates are in place) and bookkeeping."""
+    state = {k: copy.deepcopy(vars(metric)[k]) for k in metric._defaults if k in vars(metric)}
+    state.update({k: vars(metric)[k] for k in _METRIC_BOOKKEEPING if k in vars(metric)})
+    return state
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, rng: bool = True) -> Iterator[Callable[[], None]]:
+    """Inside, ``model``'s buffers and torchmetrics states (and the RNG) may change; on exit they are put back.
+
+    Yields a function that puts them back at any time (between two runs of the same step).
+
+    Args:
+        model: the root module.
+        rng: also save and restore the RNG state.
+
+    Example:
+        >>> bn = nn.BatchNorm1d(2)
+        >>> with preserved(bn):
+        ...     _ = bn(torch.randn(4, 2))
+        >>> bn.running_mean.tolist()
+        [0.0, 0.0]
+    """
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    metrics = [(m, _metric_state(m)) for m in model.modules() if isinstance(m, Metric)]
+    state = rng_state() if rng else None
+
+    def reset() -> None:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        for metric, saved_state in metrics:
+            vars(metric).update(saved_state)
+        if state is not None:
+            set_rng_state(state)
+
+    try:
+        yield reset
+    finally:
+        reset()
+
+
+@contextlib.contextmanager
+def quiet_logging(module: nn.Module) -> Iterator[None]:
+    """Inside, ``module.log`` and ``module.log_dict`` do nothing: a re-run step must not log twice."""
+    patches = Patches()
+    patches.set(module, "log", lambda *args, **kwargs: None)
+    patches.set(module, "log_dict", lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        patches.restore()
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in what a step or a model returned: a tensor, a dict's ``"loss"``, or an object's ``.loss``."""
+    if isinstance(output, dict):
+        output = output.get("loss")
+    elif not isinstance(output, Tensor) and isinstance(getattr(output, "loss", None), Tensor):
+        output = output.loss
+    return output if isinstance(output, Tensor) else None
+
+
+def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
+             backward: bool = True) -> tuple[Tensor | None, list[Tensor | None]]:
+    """Run a step's loss (and its gradients, without touching ``.grad``) eagerly, then put the buffers back.
+
+    Args:
+        model: the root module.
+        compute_loss: runs the step's forward and returns the loss.
+        backward: also compute the parameters' gradients.
+
+    Returns:
+        The detached loss (``None`` if the step returned none) and one gradient (or ``None``) per trainable parameter.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    with preserved(model, rng=False), torch.compiler.set_stance("force_eager"), torch.enable_grad():
+        loss = compute_loss()
+        grads: list[Tensor | None] = [None] * len(params)
+        if backward and loss is not None and loss.requires_grad:
+            grads = list(torch.autograd.grad(loss, params, allow_unused=True))
+    return (None if loss is None else loss.detach()), grads
+
+
+@contextlib.contextmanager
+def autocast_off_in(module: nn.Module | None) -> Iterator[None]:
+    """Inside, autocast is off while ``module`` runs its forward, and its 16-bit positional inputs become fp32.
+
+    ``None`` does nothing: for the whole step, the caller runs it without its precision plugin's autocast.
+    """
+    if module is None:
+        yield
+        return
+    saved: list[list[tuple[str, bool]]] = []
+
+    def enter(mod: nn.Module, args: Any) -> Any:
+        states = [(d, torch.is_autocast_enabled(d)) for d in ("cuda", "cpu")]
+        saved.append(states)
+        for d, on in states:
+            if on:
+                torch.set_autocast_enabled(d, False)
+        # Inputs autocast made 16-bit upstream would meet fp32 weights: the module runs in fp32 throughout.
+        return tuple(a.float() if isinstance(a, Tensor) and a.is_floating_point() and a.element_size() < 4 else a
+                     for a in args)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            for d, on in saved.pop():
+                if on:
+                    torch.set_autocast_enabled(d, True)
+
+    patches = Patches()
+    patches.hold(module.register_forward_pre_hook(enter, prepend=True))
+    patches.hold(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        patches.restore()

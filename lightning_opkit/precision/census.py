@@ -1,0 +1,181 @@
+"""What ran in which dtype, and what it cost: per op class and dtype, recorded on device, read with one sync."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
+
+# Ops that draw random numbers: an fp32 recompute would draw again and change the run's random stream.
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
+
+# Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
+# temporary copy and the buffers would never change. They are cast for the op and the result is copied back.
+UPDATED_ARGS: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {
+    F.batch_norm: ((1, 2), ("running_mean", "running_var")),
+    F.instance_norm: ((1, 2), ("running_mean", "running_var")),
+    torch.batch_norm: ((3, 4), ("running_mean", "running_var")),
+    torch.instance_norm: ((3, 4), ("running_mean", "running_var")),
+}
+
+
+def _floats(out: Any) -> list[Tensor]:
+    items = out if isinstance(out, (list, tuple)) else (out,)
+    return [t for t in items if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+
+
+def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``func`` run again in fp32 on the same (uncast) inputs, autocast off, leaving no trace; ``None`` if it cannot.
+
+    Args:
+        func: the op, as a ``TorchFunctionMode`` receives it.
+        args: its positional arguments as the caller passed them (before any policy cast).
+        kwargs: its keyword arguments.
+    """
+    name = getattr(func, "__name__", "") or ""
+    if any(word in name for word in _RANDOM):
+        return None
+    if func in UPDATED_ARGS:
+        # A recompute must not update the running statistics a second time.
+        positions, names = UPDATED_ARGS[func]
+        args = tuple(a.clone() if i in positions and isinstance(a, Tensor) else a for i, a in enumerate(args))
+        kwargs = {k: v.clone() if k in names and isinstance(v, Tensor) else v for k, v in kwargs.items()}
+    args = tuple(cast(a, torch.float32) for a in args)
+    kwargs = {k: cast(v, torch.float32) for k, v in kwargs.items()}
+    devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    for d in devices:
+        torch.set_autocast_enabled(d, False)
+    try:
+        with torch.no_grad():
+            return func(*args, **kwargs)
+    except Exception:  # an op that only exists for its low-precision inputs: no reference, no error figure
+        return None
+    finally:
+        for d in devices:
+            torch.set_autocast_enabled(d, True)
+
+
+@dataclass
+class CensusRow:
+    """One census row: an op class in one dtype, decided by a class rule or by a module override."""
+
+    op_class: str
+    dtype: str
+    override: bool
+    calls: int
+    absmax: float
+    #: bits from the dtype's largest finite value (fp16 only: bf16 has fp32's range, so it says nothing there)
+    headroom_bits: float | None
+    #: ``||out - ref|| / ||ref||`` against an fp32 recompute of the same ops on the same inputs (16-bit rows)
+    rel_error: float | None
+    #: fraction of output elements that are zero or subnormal where the fp32 recompute is not zero (16-bit rows)
+    underflow_frac: float | None
+
+
+class Census:
+    """Per (op class, dtype, module override?): calls, peak magnitude and, against fp32 recomputes, error and underflow.
+
+    Everything accumulates in device tensors; :meth:`rows` reads them all with one host sync.
+
+    Args:
+        recompute: whether the caller passes fp32 references of 16-bit ops (error and underflow figures).
+
+    Example:
+        >>> census = Census()
+        >>> x = torch.tensor([1.0, 1e-6, 3.0])
+        >>> census.record("pointwise", x.half(), False, ref=x)
+        >>> row = census.rows()[0]
+        >>> row.dtype, row.calls, round(row.underflow_frac, 3)
+        ('fp16', 1, 0.0)
+    """
+
+    def __init__(self, recompute: bool = True) -> None:
+        self.recompute = recompute
+        self.calls: dict[tuple[str, torch.dtype, bool], int] = {}
+        self._sums: dict[tuple[str, torch.dtype, bool], Tensor] = {}  # [absmax, err², ref², underflow, numel]
+        self._checked: set[tuple[str, torch.dtype, bool]] = set()
+
+    def wants_reference(self, out: Any) -> bool:
+        """Whether an fp32 recompute of the op that produced ``out`` would add anything (a 16-bit output)."""
+        return self.recompute and any(t.dtype in LOW for t in _floats(out))
+
+    def record(self, cls: str, out: Any, override: bool, ref: Any = None) -> None:
+        """Count one op's output; with ``ref`` (its fp32 recompute), also its error and underflow.
+
+        Args:
+            cls: the op's class.
+            out: what the op returned.
+            override: whether a module override, not the class rule, decided its dtype.
+            ref: the fp32 recompute of the op, or ``None``.
+        """
+        refs = _floats(ref) if ref is not None else []
+        for i, t in enumerate(_floats(out)):
+            key = (cls, t.dtype, override)
+            self.calls[key] = self.calls.get(key, 0) + 1
+            t = t.detach()
+            peak = t.abs().amax().float()
+            zero = peak.new_zeros(())
+            err = ref2 = under = zero
+            r = refs[i] if i < len(refs) and refs[i].shape == t.shape else None
+            if r is not None and t.dtype in LOW:
+                r = r.float()
+                o = t.float()
+                finite = r.isfinite() & o.isfinite()
+                err = torch.where(finite, o - r, 0).square().sum()
+                ref2 = torch.where(finite, r, 0).square().sum()
+                under = ((r != 0) & (o.abs() < torch.finfo(t.dtype).tiny)).sum().float()
+                self._checked.add(key)
+            numel = peak.new_full((), float(t.numel()) if r is not None else 0.0)
+            step = torch.stack([peak, err, ref2, under, numel])
+            prev = self._sums.get(key)
+            if prev is None:
+                self._sums[key] = step
+            else:
+                self._sums[key] = torch.cat([torch.maximum(prev[:1], step[:1]), prev[1:] + step[1:]])
+
+    def rows(self) -> list[CensusRow]:
+        """The rows, riskiest first (largest relative error, then most calls); one host sync for all of them."""
+        keys = list(self._sums)
+        if not keys:
+            return []
+        sums = torch.stack([self._sums[k] for k in keys]).cpu().tolist()
+        rows = []
+        for (cls, dtype, override), (peak, err, ref2, under, numel) in zip(keys, sums):
+            headroom = None
+            if dtype == torch.float16:
+                fmax = torch.finfo(dtype).max
+                headroom = math.inf if peak == 0 else (-math.inf if not math.isfinite(peak) else math.log2(fmax / peak))
+            checked = (cls, dtype, override) in self._checked and numel > 0
+            rel = math.sqrt(err / ref2) if checked and ref2 > 0 else (0.0 if checked else None)
+            rows.append(CensusRow(cls, dtype_name(dtype), override, self.calls[(cls, dtype, override)], peak,
+                                  headroom, rel, under / numel if checked else None))
+        rows.sort(key=lambda r: (-(r.rel_error if r.rel_error is not None else -1.0), -r.calls, r.op_class))
+        return rows
+
+
+def class_figures(rows: list[CensusRow]) -> dict[str, dict[str, float]]:
+    """Per op class: its calls, worst error and underflow, and least fp16 headroom over the census rows.
+
+    Only 16-bit rows have the last three.
+
+    Args:
+        rows: :meth:`Census.rows`.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for row in rows:
+        figures = out.setdefault(row.op_class, {"calls": 0})
+        figures["calls"] += row.calls
+        for name in ("rel_error", "underflow_frac"):
+            value = getattr(row, name)
+            if value is not None:
+                figures[name] = max(figures.get(name, 0.0), value)
+        if row.headroom_bits is not None:
+            figures["headroom_bits"] = min(figures.get("headroom_bits", math.inf), row.headroom_bits)
+    return out

@@ -1,0 +1,108 @@
+"""Dtype names, the op classes the policy may cast, and what this device's hardware offers for each dtype."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+from lightning_opkit.opclass import OP_CLASSES
+
+#: what the LightningCLI checks at parse time: a typo in a dtype or an op class fails there, naming the value
+DtypeName = Literal["fp32", "bf16", "fp16", "keep"]
+OpClassName = Literal["matmul", "conv", "attention", "norm", "softmax", "activation", "loss", "reduction", "pointwise",
+                      "embedding", "rnn"]
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                         "keep": None}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items() if v is not None}
+LOW = (torch.bfloat16, torch.float16)
+
+#: op classes the policy never casts: shape and bookkeeping ops, and casts and copies (casting their input first
+#: would change what they produce).
+NEVER_CAST = ("other", "copy", "layout")
+GOVERNED = tuple(c for c in OP_CLASSES if c not in NEVER_CAST)
+assert set(get_args(OpClassName)) == set(GOVERNED) and set(get_args(DtypeName)) == set(DTYPES)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"bf16"`` for ``torch.bfloat16``, and so on; torch's own name for other dtypes."""
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating tensors (alone or in a list/tuple of tensors) in ``dtype``."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
+        return type(value)(cast(v, dtype) for v in value)
+    return value
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def hardware_note(device: torch.device | str, dtype: str) -> str:
+    """Why ``dtype`` may be slow or fast on ``device``, from what the hardware reports (not a measurement).
+
+    Args:
+        device: the training device.
+        dtype: ``"bf16"`` or ``"fp16"``.
+
+    Example:
+        >>> hardware_note("cpu", "fp32")
+        ''
+    """
+    device = torch.device(device)
+    if dtype not in ("bf16", "fp16"):
+        return ""
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if dtype == "bf16" and major < 8:
+            return f"no bf16 Tensor Cores (compute capability {major}.{minor} < 8.0)"
+        if dtype == "fp16" and major < 7:
+            return f"no fp16 Tensor Cores (compute capability {major}.{minor} < 7.0)"
+        return f"{dtype} Tensor Cores (compute capability {major}.{minor})"
+    if device.type == "cpu":
+        flags = _cpu_flags()
+        if not flags:
+            return f"{platform.machine()} CPU; its {dtype} support is unknown here"
+        native = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}[dtype]
+        have = [f for f in native if f in flags]
+        if have:
+            return f"native {dtype} units ({', '.join(have)})"
+        return f"no native {dtype} units ({torch.backends.cpu.get_cpu_capability()} only, no {'/'.join(native)})"
+    return ""
+
+
+def describe_device(device: torch.device | str, hardware: bool = True) -> str:
+    """A one-line description of ``device`` for reports: its name and (``hardware``) its bf16 hardware.
+
+    Args:
+        device: the training device.
+        hardware: add what the hardware offers for bf16.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+        except OSError:
+            pass
+        name = f"{name}, {torch.get_num_threads()} threads"
+    return f"{device.type}: {name}" + (f"; bf16: {hardware_note(device, 'bf16')}" if hardware else "")

@@ -1,0 +1,424 @@
+"""Measure, on this device and this model, how fast and how accurate each op class is in each 16-bit dtype.
+
+Speed: the ops the model ran on a real batch, at their shapes, timed forward + backward in fp32 and in each 16-bit
+dtype (with the input casts the policy would add), weighted by how often the model calls them. Error: the step run
+again with one class alone lowered to one dtype (everything else fp32): that class's outputs against fp32 recomputes
+of the same ops, the loss against the fp32 loss, the gradients against the fp32 gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_opkit._patch import Patches
+from lightning_opkit._replay import loss_of, preserved, quiet_logging
+from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.opclass import OP_CLASSES, function_info
+from lightning_opkit.precision.census import UPDATED_ARGS, Census
+from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, describe_device
+from lightning_opkit.precision.mode import ModeState, PolicyMode, match_weight_dtype
+
+__all__ = ["Measurement", "PrecisionMeasurements", "measure_precision"]
+
+#: of each class, time the costliest op shapes that make up this share of its fp32 time (at most _MAX_SHAPES)
+_COVER = 0.9
+_MAX_SHAPES = 3
+#: a dtype this many times slower than fp32 after one repetition is not timed further
+_CLEARLY_SLOWER = 3.0
+
+#: each timing sample lasts at least this long (fast ops: several calls per sample, at most _MAX_INNER)
+_SAMPLE_S = 1e-3
+_MAX_INNER = 20
+
+# (device, op, input shapes and dtypes, dtype) -> seconds for one forward + backward; shapes do not change in a run
+_TIMES: dict[tuple[Any, ...], float] = {}
+
+
+@dataclass
+class Measurement:
+    """One class in one dtype: speed against fp32 and the error of running that class alone in that dtype.
+
+    Args:
+        op_class: the op class.
+        dtype: ``"bf16"`` or ``"fp16"``.
+        speed: time in ``dtype`` / time in fp32, forward + backward with input casts (below 1 = faster);
+            ``None`` if not measured.
+        rel_error: ``||out - ref|| / ||ref||`` of the class's outputs against fp32 recomputes of the same ops.
+        loss_change: ``|loss - loss_fp32| / |loss_fp32|`` with this class alone in ``dtype``.
+        grad_cosine: cosine similarity of all parameter gradients to the fp32 gradients.
+        fp32_ms: the class's measured fp32 time per step (forward + backward), for weighting.
+        calls: the class's ops per forward.
+        failed: why the class could not run in ``dtype``, if it could not.
+    """
+
+    op_class: str
+    dtype: str
+    speed: float | None = None
+    rel_error: float | None = None
+    loss_change: float | None = None
+    grad_cosine: float | None = None
+    fp32_ms: float | None = None
+    calls: int = 0
+    failed: str | None = None
+
+
+@dataclass
+class PrecisionMeasurements:
+    """The sensitivity table of one model on one device: a :class:`Measurement` per (op class, dtype).
+
+    Args:
+        rows: the measurements.
+        device: a description of the device they were taken on.
+        loss: the fp32 loss of the measured batch.
+        seconds: what measuring cost, wall clock.
+    """
+
+    rows: list[Measurement]
+    device: str = ""
+    loss: float = math.nan
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[Measurement]:
+        return iter(self.rows)
+
+    def get(self, op_class: str, dtype: str) -> Measurement | None:
+        """The row of ``op_class`` in ``dtype``, if measured."""
+        return next((r for r in self.rows if r.op_class == op_class and r.dtype == dtype), None)
+
+    @property
+    def classes(self) -> list[str]:
+        """The op classes measured, in taxonomy order."""
+        return sorted({r.op_class for r in self.rows}, key=OP_CLASSES.index)
+
+    def table(self, chosen: dict[str, str] | None = None) -> str:
+        """The sensitivity table as markdown, costliest class first; ``chosen``: op class -> dtype, marked.
+
+        Args:
+            chosen: the dtype decided per class, if any.
+        """
+        rows = sorted(self.rows, key=lambda r: (-(r.fp32_ms or 0.0), r.op_class, r.dtype))
+        body = [[r.op_class, r.dtype, r.calls, r.fp32_ms, _speed_text(r), _fmt(r.rel_error, ".2e"),
+                 _fmt(r.loss_change, ".2e"), _fmt(r.grad_cosine, ".6f"),
+                 ("yes" if chosen.get(r.op_class) == r.dtype else "no") if chosen is not None else "-"]
+                for r in rows]
+        text = markdown_table(["op class", "dtype", "ops / step", "fp32 ms / step", "speed vs fp32",
+                               "output rel. error", "loss change", "grad cosine", "chosen"], body)
+        return f"Measured in {self.seconds:.2f} s on {self.device}.\n\n{text}"
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _speed_text(row: Measurement) -> str:
+    if row.failed:
+        return f"failed: {row.failed}"
+    if row.speed is None:
+        return "-"
+    return f"{1 / row.speed:.2f}x faster" if row.speed < 1 else f"{row.speed:.2f}x slower"
+
+
+def speed_phrase(row: Measurement) -> str:
+    """``"11.2x slower"`` or ``"1.8x faster"`` for a measured row."""
+    return _speed_text(row)
+
+
+class _OpLog(TorchFunctionMode):
+    """Records one example call per (op, input shapes) of each governed class, and how often it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examples: dict[tuple[Any, ...], tuple[str, Callable[..., Any], tuple, dict]] = {}
+        self.counts: dict[tuple[Any, ...], int] = {}
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        cls, inplace = function_info(func)
+        if cls not in NEVER_CAST and not inplace and "out" not in kwargs:
+            sig = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else None
+                        for t in tree_leaves((args, kwargs)))
+            key = (func, sig)
+            if key not in self.examples:
+                keep = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
+                if func in UPDATED_ARGS:
+                    # Timing must not write into the model's running statistics, nor differentiate them.
+                    positions, names = UPDATED_ARGS[func]
+                    keep = (tuple(_stat(a) if i in positions else a for i, a in enumerate(keep[0])),
+                            {k: _stat(v) if k in names else v for k, v in keep[1].items()})
+                self.examples[key] = (cls, func, *keep)
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **kwargs)
+
+
+class _Closer:
+    def __init__(self, patches: Patches) -> None:
+        self.patches = patches
+
+    def close(self) -> None:
+        self.patches.restore()
+
+
+class _Stat(Tensor):
+    """A running statistic: cloned for timing, never a differentiable leaf."""
+
+
+def _stat(value: Any) -> Any:
+    return value.clone().as_subclass(_Stat) if isinstance(value, Tensor) else value
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    for d in devices:
+        torch.set_autocast_enabled(d, False)
+    try:
+        yield
+    finally:
+        for d in devices:
+            torch.set_autocast_enabled(d, True)
+
+
+def _time_op(func: Callable[..., Any], args: tuple, kwargs: dict, dtype: torch.dtype, reps: int,
+             device: torch.device, baseline: float | None) -> float:
+    """Median seconds of one forward + backward of ``func`` with its floating inputs cast to ``dtype`` first."""
+    leaves: list[Tensor] = []
+
+    def leaf(t: Any) -> Any:
+        if isinstance(t, _Stat):
+            return t.as_subclass(Tensor)
+        if isinstance(t, Tensor) and t.is_floating_point():
+            t = t.detach().requires_grad_(True)
+            leaves.append(t)
+        return t
+
+    args, kwargs = tree_map(leaf, (args, kwargs))
+    grads: list[Tensor] = []
+
+    def once() -> float:
+        sync()
+        start = time.perf_counter()
+        a, k = tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t,
+                        (args, kwargs))
+        outs = [o for o in tree_leaves(func(*a, **k)) if isinstance(o, Tensor) and o.requires_grad]
+        if outs:
+            if not grads:
+                grads.extend(torch.ones_like(o) for o in outs)
+            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        sync()
+        return time.perf_counter() - start
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with _autocast_off(), torch.enable_grad():
+        first = once()  # warm-up: allocator, kernel selection, lazy init
+        # Fast ops are timed in runs of several calls, so that each sample is well above the clock's jitter.
+        inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(first, 1e-7))))
+        samples: list[float] = []
+        for _ in range(reps):
+            samples.append(sum(once() for _ in range(inner)) / inner)
+            if baseline is not None and samples[0] > _CLEARLY_SLOWER * baseline:
+                break
+    return statistics.median(samples)
+
+
+def _timed(device: torch.device, key: tuple[Any, ...], example: tuple, dtype: torch.dtype, reps: int,
+           baseline: float | None) -> float:
+    cache_key = (str(device), *key, dtype)
+    if cache_key not in _TIMES:
+        _, func, args, kwargs = example
+        _TIMES[cache_key] = _time_op(func, args, kwargs, dtype, reps, device, baseline)
+    return _TIMES[cache_key]
+
+
+def _default_loss(model: nn.Module, batch: Any) -> Tensor:
+    if isinstance(model, pl.LightningModule):
+        out = model.training_step(batch, 0)
+    elif isinstance(batch, dict):
+        out = model(**batch)
+    elif isinstance(batch, (list, tuple)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = loss_of(out)
+    if loss is None or loss.numel() != 1:
+        raise ValueError(
+            f"measure_precision could not find a scalar loss in what {type(model).__name__} returned"
+            f" ({type(out).__name__}); pass `loss_fn=lambda model, batch: ...` returning one."
+        )
+    return loss
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _usable_dtypes(device: torch.device) -> list[str]:
+    # fp16 needs loss scaling; opkit offers it where a GradScaler is the norm (CUDA).
+    return ["bf16", "fp16"] if device.type == "cuda" else ["bf16"]
+
+
+def measure_precision(
+    model: nn.Module,
+    batch_fn: Callable[[], Any],
+    device: torch.device | str | None = None,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+    dtypes: Sequence[str] | None = None,
+    classes: Sequence[str] | None = None,
+    errors: bool = True,
+    reps: int = 5,
+) -> PrecisionMeasurements:
+    """Measure each op class's speed and error in each 16-bit dtype, on this device and this model.
+
+    The model's weights, buffers, gradients, metric states and the RNG are as before when it returns.
+
+    Args:
+        model: the model (a ``LightningModule``: its ``training_step`` gives the loss), on its training device.
+        batch_fn: returns one real batch.
+        device: where to run; the model must already be there. ``None`` = the device of its parameters.
+        loss_fn: ``(model, batch) -> scalar loss``; ``None`` = ``training_step(batch, 0)`` of a LightningModule,
+            else the model's output (a tensor, a dict's ``"loss"`` or an output's ``.loss``).
+        dtypes: the 16-bit dtypes to measure; ``None`` = bf16, and fp16 on CUDA.
+        classes: the op classes to measure; ``None`` = every governed class the model runs.
+        errors: also measure errors (one extra forward + backward per class and dtype); speed only if ``False``.
+        reps: timed repetitions per op shape (the median is kept).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+        >>> table = measure_precision(model, lambda: torch.randn(8, 16), loss_fn=lambda m, b: m(b).square().mean())
+        >>> table.classes
+        ['matmul', 'norm', 'reduction', 'pointwise']
+        >>> 0.99 < table.get("matmul", "bf16").grad_cosine <= 1.0 + 1e-6
+        True
+    """
+    began = time.perf_counter()
+    here = _device_of(model)
+    device = torch.device(device) if device is not None else here
+    if device.type != here.type or (device.index is not None and here.index is not None and device != here):
+        raise ValueError(f"measure_precision: the model is on {here}, not on device={device}; move it there first")
+    names = list(dtypes) if dtypes is not None else _usable_dtypes(device)
+    for name in names:
+        if name not in ("bf16", "fp16"):
+            raise ValueError(f"measure_precision: `dtypes` may hold 'bf16' and 'fp16', but got {name!r}")
+    if classes is not None:
+        unknown = [c for c in classes if c not in GOVERNED]
+        if unknown:
+            raise ValueError(f"measure_precision: unknown op classes {unknown}; valid classes are {list(GOVERNED)}")
+    compute = loss_fn or _default_loss
+    batch = move_data_to_device(batch_fn(), device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fp32 = dict.fromkeys(GOVERNED, "fp32") | dict.fromkeys(NEVER_CAST, "keep")
+    state = ModeState(fp32)
+    mode = PolicyMode(state)
+    stance = torch.compiler.set_stance("force_eager")
+    quiet = quiet_logging(model) if isinstance(model, pl.LightningModule) else contextlib.nullcontext()
+
+    def run(log: _OpLog | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        with mode, log or contextlib.nullcontext(), torch.enable_grad():
+            loss = compute(model, batch)
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if loss.requires_grad else [None] * len(params)
+        return loss.detach().float(), list(grads)
+
+    rows: list[Measurement] = []
+    notes: list[str] = []
+    hooks = Patches()
+    for module in model.modules():
+        if isinstance(module, nn.RNNBase):
+            hooks.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
+    with preserved(model) as reset, stance, quiet, _autocast_off(), contextlib.closing(_Closer(hooks)):
+        log = _OpLog()
+        ref_loss, ref_grads = run(log)
+        reset()
+        by_class: dict[str, list[tuple[Any, ...]]] = {}
+        for key, (cls, *_) in log.examples.items():
+            if classes is None or cls in classes:
+                by_class.setdefault(cls, []).append(key)
+        for cls in sorted(by_class, key=OP_CLASSES.index):
+            base = {}
+            for k in by_class[cls]:
+                try:
+                    base[k] = _timed(device, k, log.examples[k], torch.float32, reps, None)
+                except Exception as err:  # an op that cannot be run alone (unusual arguments): left out of timing
+                    notes.append(f"{cls}: {getattr(k[0], '__name__', k[0])} not timed ({type(err).__name__})")
+            keys = list(base)
+            if not keys:
+                continue
+            weight = {k: base[k] * log.counts[k] for k in keys}
+            total = sum(weight.values())
+            chosen: list[tuple[Any, ...]] = []
+            for k in sorted(keys, key=weight.__getitem__, reverse=True):
+                if len(chosen) == _MAX_SHAPES or sum(weight[c] for c in chosen) >= _COVER * total:
+                    break
+                chosen.append(k)
+            calls = sum(log.counts[k] for k in keys)
+            for name in names:
+                row = Measurement(cls, name, fp32_ms=total * 1e3, calls=calls)
+                rows.append(row)
+                dtype = DTYPES[name]
+                assert dtype is not None
+                try:
+                    low = sum(_timed(device, k, log.examples[k], dtype, reps, base[k]) * log.counts[k]
+                              for k in chosen)
+                    row.speed = low / max(sum(weight[k] for k in chosen), 1e-12)
+                except Exception as err:  # the op has no kernel for this dtype on this device
+                    row.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    continue
+                if not errors:
+                    continue
+                state.set_table(fp32 | {cls: name})
+                state.census = Census()
+                try:
+                    loss, grads = run()
+                except Exception as err:
+                    row.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    continue
+                finally:
+                    census, state.census = state.census, None
+                    state.set_table(fp32)
+                    reset()
+                errs = [r.rel_error for r in census.rows()
+                        if r.op_class == cls and r.dtype == name and r.rel_error is not None]
+                row.rel_error = max(errs) if errs else None
+                row.loss_change = _loss_change(loss, ref_loss)
+                row.grad_cosine = _cosine(grads, ref_grads)
+    if not rows:
+        notes.append("the model ran no op of a governed class")
+    return PrecisionMeasurements(rows, describe_device(device), float(ref_loss), time.perf_counter() - began, notes)
+
+
+def _loss_change(loss: Tensor, ref: Tensor) -> float:
+    a, b = float(loss), float(ref)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _cosine(grads: list[Tensor | None], ref: list[Tensor | None]) -> float | None:
+    pairs = [(g.float(), r.float()) for g, r in zip(grads, ref) if g is not None and r is not None]
+    if not pairs:
+        return None
+    dot = sum((g * r).sum() for g, r in pairs)
+    norm_g = sum(g.square().sum() for g, _ in pairs)
+    norm_r = sum(r.square().sum() for _, r in pairs)
+    value = float(dot / (norm_g.sqrt() * norm_r.sqrt()).clamp_min(1e-30))  # type: ignore[union-attr]
+    return value if math.isfinite(value) else -1.0

@@ -1,0 +1,144 @@
+"""The ``TorchFunctionMode`` that runs each op in the dtype of its class (or of the module it runs in)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from lightning_opkit._modes import _SUSPENDED
+from lightning_opkit.opclass import function_info
+from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
+from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
+
+
+class ModeState:
+    """What the mode reads on every op: the class table, the module-override stack, autocast, the census.
+
+    Args:
+        table: op class -> dtype name (``"keep"`` for classes left alone).
+    """
+
+    def __init__(self, table: dict[str, str]) -> None:
+        self.class_dtypes: dict[str, torch.dtype | None] = {}
+        self.module_stack: list[torch.dtype | None] = []
+        self.autocast_devices: list[str] = []
+        self.census: Census | None = None
+        self.set_table(table)
+
+    def set_table(self, table: dict[str, str]) -> None:
+        """Replace the class table in place (compiled code guards on its contents and recompiles once)."""
+        self.class_dtypes.clear()
+        self.class_dtypes.update({cls: DTYPES[name] for cls, name in table.items()})
+
+
+@torch._dynamo.assume_constant_result
+def _traced_function_info(func: Callable[..., Any]) -> tuple[str, bool]:
+    # Eagerly a plain cached lookup. Dynamo can neither trace str methods on a function's name nor guard on a
+    # cache that grows (it would recompile each time), so it runs this once at trace time and keeps the result.
+    return function_info(func)
+
+
+def _cast_updated(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict, list]:
+    positions, names = UPDATED_ARGS[func]
+    written: list[tuple[Tensor, Tensor]] = []
+
+    def cast_one(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
+            copy = value.to(dtype)
+            written.append((value, copy))
+            return copy
+        return value
+
+    args = tuple(cast_one(a) if i in positions else a for i, a in enumerate(args))
+    kwargs = {k: cast_one(v) if k in names else v for k, v in kwargs.items()}
+    return args, kwargs, written
+
+
+class PolicyMode(TorchFunctionMode):
+    """Casts the floating inputs of each governed op to its dtype and runs it with autocast off.
+
+    Args:
+        state: the table, override stack, autocast devices and census to follow.
+    """
+
+    def __init__(self, state: ModeState) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        state = self.state
+        compiling = torch.compiler.is_compiling()
+        cls, inplace = _traced_function_info(func)
+        if cls in NEVER_CAST or _SUSPENDED[0]:
+            return func(*args, **kwargs)
+        stack = state.module_stack
+        dtype = stack[-1] if stack else state.class_dtypes[cls]
+        given = (args, kwargs)
+        if dtype is None or inplace or "out" in kwargs:
+            out = func(*args, **kwargs)
+        else:
+            written: list[tuple[Tensor, Tensor]] = []
+            if func in UPDATED_ARGS:
+                args, kwargs, written = _cast_updated(func, args, kwargs, dtype)
+            args = tuple(cast(a, dtype) for a in args)
+            if kwargs:
+                kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+            if not state.autocast_devices:
+                out = func(*args, **kwargs)
+            elif compiling:
+                # The policy, not autocast, decides: autocast would recast the inputs we just cast.
+                with torch.autocast(state.autocast_devices[0], enabled=False):
+                    out = func(*args, **kwargs)
+            else:
+                # Same as the context manager above at a fraction of its Python cost, on every governed op; a region
+                # where the user turned autocast off stays off.
+                device = state.autocast_devices[0]
+                enabled = torch.is_autocast_enabled(device)
+                if enabled:
+                    torch.set_autocast_enabled(device, False)
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    if enabled:
+                        torch.set_autocast_enabled(device, True)
+            if written:
+                with torch.no_grad():
+                    for buffer, copy in written:
+                        buffer.copy_(copy)
+        census = state.census
+        if not compiling and census is not None:
+            # Census steps only: the op again in fp32 on the inputs it was given, for its error and underflow.
+            ref = None
+            if not inplace and "out" not in kwargs and census.wants_reference(out):
+                ref = fp32_reference(func, *given)
+            census.record(cls, out, bool(stack), ref)
+        return out
+
+
+def match_weight_dtype(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """A forward pre-hook for ``nn.LSTM``/``GRU``/``RNN``: their input in their weights' dtype."""
+    # nn.LSTM/GRU/RNN check in Python that their input has their weights' dtype before the op the policy governs
+    # runs; an input from a policy-cast op upstream (a bf16 GEMM) would fail that check.
+    weight = next(iter(module.parameters()), None)
+    if weight is None or not args or not isinstance(args[0], Tensor):
+        return None
+    if not args[0].is_floating_point() or args[0].dtype == weight.dtype:
+        return None
+    return (args[0].to(weight.dtype), *args[1:])
+
+
+def keep_out_of_dynamo_frames() -> None:
+    """Stop dynamo compiling the mode's ``__torch_function__`` as a frame of its own (it still inlines it)."""
+    # Dynamo inlines the mode while tracing a compiled region, with ``func`` a constant of the call site. Between graph
+    # breaks it would also compile ``__torch_function__`` as a frame of its own, where the constant-folded op class
+    # ignores ``func`` and a graph traced for one op is replayed for another (``Tensor.dtype`` returning 3). Skipping
+    # that frame keeps the mode eager there and traced where it is inlined.
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(PolicyMode.__torch_function__.__code__)

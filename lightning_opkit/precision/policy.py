@@ -1,0 +1,455 @@
+"""PrecisionPolicy: decide the dtype of each operator class (and each module), and show what actually ran."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_opkit._checks import check_bools, check_int
+from lightning_opkit._modules import match_rule, resolve_modules
+from lightning_opkit._patch import Patches
+from lightning_opkit._replay import loss_of
+from lightning_opkit._summary import end_summary, start_summary
+from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.precision.census import Census, CensusRow, class_figures
+from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, MIN_SPEEDUP, Decision, decide
+from lightning_opkit.precision.dtypes import (
+    DTYPES,
+    GOVERNED,
+    NEVER_CAST,
+    DtypeName,
+    OpClassName,
+    describe_device,
+    hardware_note,
+)
+from lightning_opkit.precision.measure import PrecisionMeasurements, measure_precision, speed_phrase
+from lightning_opkit.precision.mode import ModeState, PolicyMode, keep_out_of_dynamo_frames, match_weight_dtype
+
+__all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
+
+#: GEMMs and GELU-like activations on Tensor Cores in bf16; variance, exponent and large-sum ops in fp32.
+DEFAULT_RULES: dict[str, str] = {
+    "matmul": "bf16", "conv": "bf16", "attention": "bf16", "activation": "bf16",
+    "norm": "fp32", "softmax": "fp32", "loss": "fp32", "reduction": "fp32",
+}
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_WARN_BITS = 4.0
+
+
+class PrecisionPolicy(Callback):
+    """Run each operator class (matmul, norm, softmax, ...) in the dtype a policy gives it, and census what ran.
+
+    A ``TorchFunctionMode`` entered around every training / validation / test / predict step sees each torch call,
+    functional ones inside user code (``F.softmax``, ``x @ w``) included, casts its floating inputs to the dtype of
+    its operator class (casts are differentiable; parameters keep their dtype) and runs it with autocast off, so the
+    policy decides, identically on CPU and CUDA. ``"keep"`` leaves an op alone (autocast, if on, still applies).
+
+    With ``rules="auto"`` the policy measures, on the first training batch, each class's speed in fp32 and 16-bit
+    dtypes on this device at this model's shapes and the error of lowering it alone (:func:`measure_precision`), and
+    runs each class in the fastest 16-bit dtype that is at least 5% faster than fp32 and within ``tolerance``, else
+    in fp32 (:func:`decide`). Until then (the sanity check) every class runs in fp32.
+
+    Args:
+        rules: ``"auto"``, or op class -> ``"fp32"`` | ``"bf16"`` | ``"fp16"`` | ``"keep"`` over the built-in table
+            :data:`DEFAULT_RULES` (matmul, conv, attention, activation in bf16; norm, softmax, loss, reduction in
+            fp32). ``None`` = the built-in table.
+        default: dtype for classes that neither ``rules`` nor the built-in table names (not used by ``"auto"``).
+        modules: module-path glob -> dtype for every op inside that module; wins over ``rules``; the innermost
+            (then most specific) matching module decides.
+        census_every_n_steps: every this many training steps, record calls, dtypes, error against fp32 recomputes,
+            underflow and fp16 headroom per class and log them to TensorBoard; 0 = off.
+        tolerance: with ``rules="auto"``, the largest relative loss change and the largest ``1 - cosine`` of the
+            gradients that lowering one class may cause.
+        measure_every_n_steps: with ``rules="auto"``, measure and decide again every this many steps; 0 = once, at the
+            first training batch of each fit.
+        check_speed: with explicit rules, time each class set to a 16-bit dtype at the first training batch and warn
+            once if it is slower than fp32 on this device.
+
+    Example:
+        >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, modules={"head": "fp32"})
+        >>> auto = PrecisionPolicy(rules="auto", tolerance=0.02)
+    """
+
+    def __init__(
+        self,
+        rules: Union[Literal["auto"], dict[OpClassName, DtypeName], None] = None,
+        default: DtypeName = "keep",
+        modules: Optional[dict[str, DtypeName]] = None,
+        census_every_n_steps: int = 100,
+        tolerance: float = DEFAULT_TOLERANCE,
+        measure_every_n_steps: int = 0,
+        check_speed: bool = True,
+    ) -> None:
+        valid = list(DTYPES)
+        governed = list(GOVERNED)
+        if not isinstance(default, str) or default not in DTYPES:
+            raise ValueError(f"Expected `default` to be one of {valid}, but got {default!r}")
+        auto = rules == "auto"
+        if not auto and rules is not None and not isinstance(rules, dict):
+            raise ValueError(f"Expected `rules` to be 'auto', a dict of op class -> dtype (for example"
+                             f" {{'matmul': 'bf16'}}) or None, but got {rules!r}")
+        for key, value in (rules if isinstance(rules, dict) else {}).items():
+            if key in NEVER_CAST:
+                raise ValueError(f"`rules` cannot set op class {key!r}: the policy never casts it. Valid classes are"
+                                 f" {governed}")
+            if not isinstance(key, str) or key not in OP_CLASSES:
+                raise ValueError(f"`rules` names unknown op class {key!r}; valid classes are {governed}")
+            if not isinstance(value, str) or value not in DTYPES:
+                raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {valid}")
+        if modules is not None and not isinstance(modules, dict):
+            raise ValueError(f"Expected `modules` to be a dict of module glob -> dtype (for example"
+                             f" {{'model.head': 'fp32'}}) or None, but got {modules!r}")
+        for key, value in (modules or {}).items():
+            if not isinstance(key, str) or not isinstance(value, str) or value not in DTYPES:
+                raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
+        check_int("census_every_n_steps", census_every_n_steps, 0)
+        check_int("measure_every_n_steps", measure_every_n_steps, 0)
+        check_bools(check_speed=check_speed)
+        if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 <= tolerance < 1:
+            raise ValueError(f"Expected `tolerance` to be a number in [0, 1) (relative loss change and 1 - gradient"
+                             f" cosine), but got {tolerance!r}")
+        self.rules: str | dict[str, str] | None = "auto" if auto else (dict(rules) if rules is not None else None)
+        self.default = default
+        self.modules = dict(modules or {})
+        self.census_every_n_steps = census_every_n_steps
+        self.tolerance = float(tolerance)
+        self.measure_every_n_steps = measure_every_n_steps
+        self.check_speed = check_speed
+        if auto:
+            table = dict.fromkeys(GOVERNED, "fp32")  # until measured
+        else:
+            table = {cls: DEFAULT_RULES.get(cls, default) for cls in OP_CLASSES}
+            table.update(rules or {})  # type: ignore[arg-type]
+        table.update(dict.fromkeys(NEVER_CAST, "keep"))
+        self.table: dict[str, str] = table
+        #: the last census: ``{(class, dtype name): {"calls", "absmax", "rel_error", "underflow_frac",
+        #: "headroom_bits", "override"}}``; error and underflow for 16-bit rows, headroom for fp16 rows, else ``None``
+        self.census: dict[tuple[str, str], dict[str, Any]] = {}
+        #: the last measurements (``rules="auto"``, or the speed check of explicit rules)
+        self.measurements: PrecisionMeasurements | None = None
+        #: with ``rules="auto"``: op class -> the decision and its evidence
+        self.decisions: dict[str, Decision] = {}
+
+        self._state = ModeState(table)
+        self._census_done: Census | None = None  # recorded this batch, logged at its end
+        self._census_step = False
+        self._measured_at: int | None = None
+        self._mode = PolicyMode(self._state)
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._forced: list[torch.dtype | None] = []  # a dtype for the whole step (running_in(None, ...))
+        self._patches = Patches()
+        self._writer: TensorBoardWriter | None = None
+
+    @property
+    def auto(self) -> bool:
+        """Whether the dtypes are measured and decided (``rules="auto"``)."""
+        return self.rules == "auto"
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(rules=self.rules, modules=self.modules)
+
+    def dtype_for(self, op_class: str, module: str | None = None) -> str:
+        """The dtype name an op of ``op_class`` runs in, inside the module at path ``module`` (if any).
+
+        Args:
+            op_class: one of :data:`~lightning_opkit.opclass.OP_CLASSES`.
+            module: a module path, or ``None`` for code outside any overridden module.
+        """
+        if op_class in NEVER_CAST:
+            return "keep"
+        override_ = match_rule(module, self.modules) if module is not None else None
+        return override_ if override_ is not None else self.table[op_class]
+
+    @contextlib.contextmanager
+    def running_in(self, module: torch.nn.Module | None, dtype: DtypeName) -> Any:
+        """Inside, every op in ``module`` (``None``: in the whole step) runs in ``dtype``; NaN cause replays use it.
+
+        Args:
+            module: a submodule of the model this policy is attached to, or ``None``.
+            dtype: the dtype name.
+        """
+        patches = Patches()
+        if module is None:
+            self._forced.append(DTYPES[dtype])
+        else:
+            patches.hold(module.register_forward_pre_hook(self._push(DTYPES[dtype])))  # after the overrides: wins
+            patches.hold(module.register_forward_hook(self._pop, always_call=True))
+        try:
+            yield
+        finally:
+            patches.restore()
+            if module is None:
+                self._forced.pop()
+
+    # lifecycle
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+        matched = resolve_modules(pl_module, self.modules, owner="PrecisionPolicy") if self.modules else []
+        if stage == "fit":
+            self._check_fp16(trainer, matched)
+        keep_out_of_dynamo_frames()
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.RNNBase):
+                self._patches.hold(module.register_forward_pre_hook(match_weight_dtype))
+        for name, module in matched:
+            dtype = DTYPES[match_rule(name, self.modules)]  # type: ignore[index]
+            self._patches.hold(module.register_forward_pre_hook(self._push(dtype)))
+            self._patches.hold(module.register_forward_hook(self._pop, always_call=True))
+        for method in _STEP_METHODS:
+            # Lightning runs a validation/test loop only if the user overrode its step: a wrapper must not look like
+            # an override of a method the user never wrote (predict_step's default does run, so it is governed).
+            if method in ("validation_step", "test_step") and not is_overridden(method, pl_module):
+                continue
+            original = self._originals[method] = getattr(pl_module, method)
+            self._patches.set(pl_module, method, self._wrap(trainer, original, method == "training_step"))
+        self._writer = TensorBoardWriter(trainer)
+        self._measured_at = None
+        if stage == "fit":
+            start_summary(self, trainer, self._writer)
+        self._log_table(trainer.global_step)
+
+    def _log_table(self, step: int) -> None:
+        if self._writer is None:
+            return
+        rows = [[cls, self.table[cls], self.decisions[cls].reason if cls in self.decisions else "-"]
+                for cls in OP_CLASSES]
+        rows += [[f"module {k}", v, "module override"] for k, v in self.modules.items()]
+        text = markdown_table(["op class / module", "dtype", "why"], rows)
+        if self.auto and not self.decisions:
+            text = "rules='auto': every class in fp32 until measured at the first training batch.\n\n" + text
+        self._writer.text("opkit/precision/policy", text, step)
+
+    def _check_fp16(self, trainer: pl.Trainer, matched: list[tuple[str, torch.nn.Module]]) -> None:
+        users = [cls for cls, name in self.table.items() if name == "fp16"]
+        users += [f"module {name}" for name, _ in matched if match_rule(name, self.modules) == "fp16"]
+        if users and getattr(trainer.precision_plugin, "scaler", None) is None:
+            raise ValueError(
+                f"PrecisionPolicy runs {users} in fp16, which needs loss scaling, but Trainer(precision="
+                f"{trainer.precision!r}) has no GradScaler. Use Trainer(precision='16-mixed') (its GradScaler scales"
+                f" the loss), or run those in 'bf16', which has fp32's range."
+            )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            end_summary(self, trainer, self._writer)
+        self._detach()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        end_summary(self, trainer, self._writer, exception)
+        self._detach()
+
+    def summary_lines(self) -> list[str]:
+        """This callback's lines of the run summary."""
+        by_dtype: dict[str, list[str]] = {}
+        for cls in GOVERNED:
+            by_dtype.setdefault(self.table[cls], []).append(cls)
+        head = "precision policy"
+        if self.auto and self.measurements is not None:
+            head += f" (auto, measured in {self.measurements.seconds:.1f} s on {self.measurements.device})"
+        lines = [head + ": " + "; ".join(f"{', '.join(v)} in {k}" for k, v in by_dtype.items())]
+        if self.modules:
+            lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in self.modules.items()))
+        return lines
+
+    def _detach(self) -> None:
+        self._patches.restore()
+        self._originals.clear()
+        self._state.module_stack.clear()
+        self._state.census = self._census_done = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _push(self, dtype: torch.dtype | None) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._state.module_stack.append(dtype)
+
+        return hook
+
+    def _pop(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._state.module_stack:
+            self._state.module_stack.pop()
+
+    def _wrap(self, trainer: pl.Trainer, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:
+        state = self._state
+
+        def run_step(*args: Any, **kwargs: Any) -> Any:
+            state.module_stack.clear()
+            state.module_stack.extend(self._forced)
+            state.autocast_devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+            census = None
+            if is_training and self._census_step:
+                # Only the batch's own step is counted, not a NaNDetector replay of it.
+                self._census_step = False
+                census = state.census = Census()
+            # A census step runs eagerly even where TorchCompile compiled the model, so every op is counted;
+            # only census steps pay for that.
+            eager = torch.compiler.set_stance("force_eager") if census is not None else contextlib.nullcontext()
+            try:
+                with eager, self._mode:
+                    return step(*args, **kwargs)
+            finally:
+                if census is not None:
+                    state.census, self._census_done = None, census
+
+        return run_step
+
+    # measurement
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        n = self.census_every_n_steps
+        self._census_step = n > 0 and trainer.global_step % n == 0
+        step = trainer.global_step
+        if self._measured_at == step:
+            return  # gradient accumulation: one measurement per optimizer step
+        every = self.measure_every_n_steps
+        if self.auto and (self._measured_at is None or (every and step % every == 0)):
+            self._measured_at = step
+            self._measure_and_decide(trainer, pl_module, batch, batch_idx)
+        elif not self.auto and self.check_speed and self._measured_at is None:
+            self._measured_at = step
+            self._check_speed(trainer, pl_module, batch, batch_idx)
+
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                 **kwargs: Any) -> PrecisionMeasurements | None:
+        step = self._originals["training_step"]
+
+        def loss_fn(model: torch.nn.Module, b: Any) -> Tensor:
+            loss = loss_of(step(b, batch_idx))
+            if loss is None:
+                raise ValueError("training_step returned no loss")
+            return loss
+
+        try:
+            return measure_precision(pl_module, lambda: batch, device=pl_module.device, loss_fn=loss_fn, **kwargs)
+        except ValueError as err:
+            rank_zero_warn(f"PrecisionPolicy could not measure this model ({err}); the policy keeps its table.")
+            return None
+
+    def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                            batch_idx: int) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        dtypes = ["bf16", "fp16"] if scaler else ["bf16"]  # fp16 only where a GradScaler scales the loss
+        measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes)
+        decisions = decide(measurements or [], self.tolerance, dtypes) if measurements is not None else {}
+        # Every rank runs what rank zero decided: the same numerics, the same compiled graphs.
+        chosen = trainer.strategy.broadcast({c: (d.dtype, d.reason) for c, d in decisions.items()}, src=0)
+        self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
+        self.measurements = measurements
+        table = dict(self.table)
+        table.update(dict.fromkeys(GOVERNED, "fp32"))
+        table.update({c: d.dtype for c, d in self.decisions.items()})
+        self.table = table
+        self._state.set_table(table)
+        step = trainer.global_step
+        if self._writer is not None and measurements is not None:
+            self._writer.text("opkit/precision/sensitivity", measurements.table({c: d.dtype for c, d in
+                                                                                 self.decisions.items()}), step)
+            rows = [[c, d.dtype, d.reason] for c, d in self.decisions.items()]
+            head = (f"tolerance {self.tolerance:g}, at least {MIN_SPEEDUP:.2f}x faster than fp32; measured on"
+                    f" {measurements.device}.\n\n")
+            table = markdown_table(["op class", "dtype", "evidence"], rows)
+            self._writer.text("opkit/precision/decision", head + table, step)
+            self._writer.scalar("opkit/precision/measure_s", measurements.seconds, step)
+            self._log_table(step)
+            self._writer.flush()
+
+    def _check_speed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        lowered = [c for c in GOVERNED if self.table[c] in ("bf16", "fp16")]
+        dtypes = sorted({self.table[c] for c in lowered})
+        if not lowered:
+            return
+        measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes, classes=lowered,
+                                     errors=False)
+        if measurements is None:
+            return
+        self.measurements = measurements
+        slow = [r for r in measurements if r.dtype == self.table[r.op_class] and r.speed is not None
+                and r.speed > MIN_SPEEDUP]
+        if slow:
+            device = pl_module.device
+            parts = []
+            for r in sorted(slow, key=lambda r: -(r.speed or 0.0)):
+                note = hardware_note(device, r.dtype)
+                parts.append(f"{r.dtype} {r.op_class} is {speed_phrase(r)} than fp32" + (f" ({note})" if note else ""))
+            rank_zero_warn(
+                f"PrecisionPolicy: on this device ({describe_device(device, hardware=False)}), " + "; ".join(parts)
+                + ". Measured at this"
+                " model's shapes, forward + backward. Use rules='auto' to choose each class's dtype by measurement,"
+                " or set those classes to 'fp32'; PrecisionPolicy(check_speed=False) turns this check off."
+            )
+        if self._writer is not None:
+            self._writer.text("opkit/precision/sensitivity", measurements.table(
+                {c: self.table[c] for c in lowered}), trainer.global_step)
+
+    # census
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        census, self._census_done = self._census_done, None
+        if census is None:
+            return
+        rows = census.rows()
+        self.census = _by_class_and_dtype(rows)
+        step = trainer.global_step
+        near = [r for r in rows if r.headroom_bits is not None and r.headroom_bits < _WARN_BITS]
+        for r in near:
+            rank_zero_warn(f"PrecisionPolicy: op class {r.op_class!r} in fp16 is {r.headroom_bits:.1f} bits from"
+                           f" overflow at step {step} (max |output| near finfo(fp16).max); consider running it in"
+                           f" 'fp32' or 'bf16'.")
+        if self._writer is None:
+            return
+        for cls, figures in class_figures(rows).items():
+            for name, value in figures.items():
+                self._writer.scalar(f"opkit/precision/{cls}/{name}", value, step)
+        table = markdown_table(
+            ["op class", "ran in", "decided by", "calls", "rel. error vs fp32", "underflow frac", "max abs output",
+             "fp16 headroom bits"],
+            [[r.op_class, r.dtype, "module override" if r.override else f"class rule ({self.table[r.op_class]})",
+              r.calls, _sci(r.rel_error), _sci(r.underflow_frac), r.absmax,
+              "-" if r.headroom_bits is None else r.headroom_bits] for r in rows],
+        )
+        if near:
+            table += "\n\n**Near overflow:** " + ", ".join(f"{r.op_class} in fp16 ({r.headroom_bits:.1f} bits)"
+                                                           for r in near)
+        self._writer.text("opkit/precision/census", table, step)
+        self._writer.flush()
+
+
+def _by_class_and_dtype(rows: list[CensusRow]) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        entry = out.setdefault((r.op_class, r.dtype), {"calls": 0, "absmax": 0.0, "rel_error": None,
+                                                       "underflow_frac": None, "headroom_bits": None,
+                                                       "override": False})
+        entry["calls"] += r.calls
+        entry["absmax"] = max(entry["absmax"], r.absmax)
+        entry["override"] = entry["override"] or r.override
+        for name, pick in (("rel_error", max), ("underflow_frac", max), ("headroom_bits", min)):
+            value = getattr(r, name)
+            if value is not None:
+                entry[name] = value if entry[name] is None else pick(entry[name], value)
+    return out
+
+
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
