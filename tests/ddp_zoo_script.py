@@ -12,6 +12,7 @@ import torch  # noqa: E402
 from zoo import ZooModule  # noqa: E402
 
 from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+from lightning_opkit.precision import decide  # noqa: E402
 
 
 class RankFault(ZooModule):
@@ -19,13 +20,28 @@ class RankFault(ZooModule):
         return self.global_rank == 1 and super()._hit(kind)
 
 
+class SkewedAuto(PrecisionPolicy):
+    """rules="auto" where rank 1 measures every 16-bit dtype 10x faster than fp32: only a broadcast of rank zero's
+    decisions keeps the ranks on one table."""
+
+    def _measure(self, trainer, pl_module, batch, batch_idx, **kwargs):
+        measurements = super()._measure(trainer, pl_module, batch, batch_idx, **kwargs)
+        if trainer.global_rank == 1:
+            for row in measurements:
+                row.speed, row.loss_change, row.grad_cosine, row.failed = 0.1, 0.0, 1.0, None
+        return measurements
+
+
 if __name__ == "__main__":
-    out, regional = sys.argv[1], sys.argv[2] == "regional"
+    out, regional, auto = sys.argv[1], sys.argv[2] in ("regional", "auto"), sys.argv[2] == "auto"
     torch.manual_seed(0)
     model = RankFault("torch_encoder", faults={"forward": 2})
     detector = NaNDetector(action="skip")
     compiler = TorchCompile(modules=["model.encoder.layers.*"] if regional else None, backend="eager")
-    policy = PrecisionPolicy(modules={"model.head": "fp32"}, census_every_n_steps=2)
+    if auto:
+        policy = SkewedAuto(rules="auto", modules={"model.head": "fp32"}, census_every_n_steps=2)
+    else:
+        policy = PrecisionPolicy(modules={"model.head": "fp32"}, census_every_n_steps=2)
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5,
                          callbacks=[policy, detector, windows, compiler], logger=pl.loggers.TensorBoardLogger(out),
@@ -43,6 +59,8 @@ if __name__ == "__main__":
         "error": compiler.error,
         "census": sorted(f"{c}:{d}" for c, d in policy.census),
         "windows": windows.windows_done,
+        "table": policy.table,
+        "own": {c: d.dtype for c, d in decide(policy.measurements).items()} if auto else None,
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

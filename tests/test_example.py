@@ -58,7 +58,8 @@ def test_short_class_names_and_a_dtype_typo_fails_at_parse_time(tmp_path, capsys
                 "--trainer.callbacks.init_args.rules=auto"], run=False)
     opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
     assert [type(c).__name__ for c in opkit] == ["NaNDetector", "PrecisionPolicy", "PrecisionPolicy"]
-    assert opkit[0].action == "skip" and opkit[1].rules == {"matmul": "fp32"} and opkit[2].rules == "auto"  # each flag binds to the one before it
+    # each flag binds to the one before it
+    assert opkit[0].action == "skip" and opkit[1].rules == {"matmul": "fp32"} and opkit[2].rules == "auto"
     with pytest.raises(SystemExit):
         main(["--trainer.callbacks+=PrecisionPolicy", "--trainer.callbacks.init_args.rules={matmul: bf61}"],
              run=False)

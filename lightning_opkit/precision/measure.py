@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from lightning_opkit._patch import Patches
 from lightning_opkit._replay import loss_of, preserved, quiet_logging
 from lightning_opkit._tensorboard import markdown_table
-from lightning_opkit.opclass import OP_CLASSES, function_info
+from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, describe_device
-from lightning_opkit.precision.mode import ModeState, PolicyMode, match_weight_dtype
+from lightning_opkit.precision.mode import ModeState, PolicyMode, match_weight_dtype, policy_info
 
 __all__ = ["Measurement", "PrecisionMeasurements", "measure_precision"]
 
@@ -151,7 +151,7 @@ class _OpLog(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        cls, inplace = function_info(func)
+        cls, inplace = policy_info(func)
         if cls not in NEVER_CAST and not inplace and "out" not in kwargs:
             sig = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else None
                         for t in tree_leaves((args, kwargs)))

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_opkit._modes import _SUSPENDED
 from lightning_opkit.opclass import function_info
-from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
+from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference, is_random
 from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
 
 
@@ -35,11 +35,31 @@ class ModeState:
         self.class_dtypes.update({cls: DTYPES[name] for cls, name in table.items()})
 
 
+_INFO: dict[Any, tuple[str, bool]] = {}
+
+
+def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
+    """``(op class, in-place?)`` as the policy sees it: ops that draw random numbers are never cast.
+
+    Dropout in its input's dtype draws the same mask it would in fp32's place; cast, the mask would change with the
+    dtype (bf16 and fp32 consume the random stream differently), which is not a precision effect.
+    """
+    try:
+        return _INFO[func]
+    except KeyError:
+        pass
+    except TypeError:
+        return function_info(func)
+    cls, inplace = function_info(func)
+    info = _INFO[func] = ("other" if is_random(func) else cls), inplace
+    return info
+
+
 @torch._dynamo.assume_constant_result
 def _traced_function_info(func: Callable[..., Any]) -> tuple[str, bool]:
     # Eagerly a plain cached lookup. Dynamo can neither trace str methods on a function's name nor guard on a
     # cache that grows (it would recompile each time), so it runs this once at trace time and keeps the result.
-    return function_info(func)
+    return policy_info(func)
 
 
 def _cast_updated(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict, list]:

@@ -1,0 +1,191 @@
+"""Measure, then decide: measure_precision, decide and PrecisionPolicy(rules="auto") on real models and runs."""
+
+import math
+
+import pytest
+import torch
+from helpers import make_loader, read_events, snapshot, trainer
+from test_precision import Probe
+from torch import nn
+
+from lightning_opkit import PrecisionPolicy
+from lightning_opkit.precision import Measurement, PrecisionMeasurements, decide, measure_precision
+from lightning_opkit.precision.dtypes import hardware_note
+
+NO_BF16_UNITS = "no native bf16" in hardware_note("cpu", "bf16")
+
+
+def _row(cls, dtype="bf16", speed=0.5, loss=1e-4, cos=0.9999, **kw):
+    return Measurement(cls, dtype, speed=speed, loss_change=loss, grad_cosine=cos, **kw)
+
+
+def test_decide_takes_the_fastest_accurate_dtype_and_says_why_not_otherwise():
+    rows = [
+        _row("matmul", speed=11.2),                       # slower: fp32
+        _row("conv", speed=0.4),                          # faster and accurate: bf16
+        _row("norm", speed=0.5, loss=0.03),               # faster, loss moves too much: fp32
+        _row("softmax", speed=0.5, cos=0.95),             # faster, gradients turn: fp32
+        _row("attention", speed=0.6), _row("attention", "fp16", speed=0.3),  # both fine: the faster one
+        _row("activation", speed=0.98),                   # 2% faster is within timing noise: fp32
+        _row("loss", speed=None, failed="no kernel"),     # could not run: fp32
+        _row("pointwise", speed=0.5, loss=None, cos=None),  # error not measured: fp32
+    ]
+    got = decide(rows, tolerance=0.01)
+    assert {c: d.dtype for c, d in got.items()} == {
+        "matmul": "fp32", "conv": "bf16", "attention": "fp16", "norm": "fp32", "softmax": "fp32",
+        "activation": "fp32", "loss": "fp32", "pointwise": "fp32"}
+    assert "11.20x slower" in got["matmul"].reason and "2.50x faster" in got["conv"].reason
+    assert "3.00e-02 > tolerance 0.01" in got["norm"].reason and "cosine 0.95000" in got["softmax"].reason
+    assert "no kernel" in got["loss"].reason and "error not measured" in got["pointwise"].reason
+    assert decide(rows, tolerance=0.05)["norm"].dtype == "bf16"  # a looser tolerance lets it through
+    assert decide(rows, dtypes=("bf16",))["attention"].dtype == "bf16"  # fp16 only when offered (loss scaling)
+
+
+def test_decide_ignores_savings_nobody_would_notice():
+    rows = [_row("matmul", speed=0.5, fp32_ms=100.0), _row("reduction", speed=0.5, fp32_ms=0.5)]
+    got = decide(rows)
+    assert got["matmul"].dtype == "bf16" and got["reduction"].dtype == "fp32"
+    assert "would save 0.250 of 100.50 ms" in got["reduction"].reason
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, "0.01", True])
+def test_bad_tolerance_is_refused_at_construction(bad):
+    with pytest.raises(ValueError, match=r"`tolerance`.*" + repr(bad).replace(".", r"\.")):
+        PrecisionPolicy(rules="auto", tolerance=bad)
+    with pytest.raises(ValueError, match=r"'auto', a dict.*'fast'"):
+        PrecisionPolicy(rules="fast")
+
+
+def _state(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()}, [p.grad for p in model.parameters()],
+            torch.get_rng_state().clone())
+
+
+def test_measure_precision_on_a_plain_module_leaves_no_trace():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    before = _state(model)
+    table = measure_precision(model, lambda: batch,
+                              loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    after = _state(model)
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])  # BatchNorm statistics included
+    assert after[1] == [None] * len(after[1]) and torch.equal(before[2], after[2])
+    assert {"matmul", "norm", "activation", "loss"} <= set(table.classes)
+    with torch.no_grad():
+        fp32_loss = float(nn.functional.cross_entropy(model.train()(batch[0]), batch[1]))
+    assert table.loss == pytest.approx(fp32_loss, rel=1e-3)  # dropout's mask differs; BN batch stats do not
+    for row in table:
+        assert row.failed is None and row.speed > 0 and row.fp32_ms > 0 and row.calls >= 1
+        assert 0 < row.rel_error < 0.05 and row.loss_change < 0.1 and 0.9 < row.grad_cosine <= 1 + 1e-6
+    text = table.table({"matmul": "fp32"})
+    assert text.startswith("Measured in ") and "| matmul | bf16 |" in text and "| no |" in text
+
+
+def test_measure_precision_refuses_a_model_without_a_loss_and_bad_arguments():
+    with pytest.raises(ValueError, match="scalar loss.*loss_fn"):
+        measure_precision(nn.Linear(4, 4), lambda: torch.randn(2, 4))
+    with pytest.raises(ValueError, match="'fp64'"):
+        measure_precision(nn.Linear(4, 4), lambda: torch.randn(2, 4), dtypes=["fp64"])
+    with pytest.raises(ValueError, match="'gemm'"):
+        measure_precision(nn.Linear(4, 4), lambda: torch.randn(2, 4), classes=["gemm"])
+
+
+def test_speeds_are_cached_per_shape_within_the_process():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    batch = torch.randn(32, 64)
+    loss = lambda m, b: m(b).square().mean()  # noqa: E731
+    first = measure_precision(model, lambda: batch, loss_fn=loss, errors=False)
+    second = measure_precision(model, lambda: batch, loss_fn=loss, errors=False)
+    assert [r.speed for r in first] == [r.speed for r in second]  # the same shapes are not timed again
+    assert all(r.rel_error is None for r in second)
+
+
+def test_auto_on_this_cpu_follows_the_measured_speed(tmp_path):
+    model = Probe()
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=1)
+    trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
+    matmul = policy.measurements.get("matmul", "bf16")
+    assert policy.decisions["matmul"].dtype == ("bf16" if matmul.speed * 1.05 <= 1 else "fp32")
+    if NO_BF16_UNITS:  # this machine: AVX2 only; bf16 GEMMs are emulated and slower than fp32
+        assert matmul.speed > 1 and policy.table["matmul"] == "fp32"
+        assert model.seen["linear"] == torch.float32 and model.seen["matmul"] == torch.float32
+    expected = {cls: policy.table[cls] for cls in ("matmul", "norm", "softmax", "activation", "loss")}
+    seen = {"matmul": model.seen["matmul"], "norm": model.seen["norm"], "softmax": model.seen["softmax"],
+            "activation": model.seen["gelu"], "loss": model.seen["loss"]}
+    assert {c: {"fp32": torch.float32, "bf16": torch.bfloat16}[d] for c, d in expected.items()} == seen
+    _, texts = read_events(str(tmp_path))
+    sensitivity = texts["opkit/precision/sensitivity"][0][1]
+    assert "| matmul | bf16 |" in sensitivity and "cpu" in sensitivity
+    decision = texts["opkit/precision/decision"][0][1]
+    assert f"| matmul | {policy.table['matmul']} |" in decision and "tolerance 0.01" in decision
+    assert any("auto, measured in" in line for line in policy.summary_lines())
+
+
+class Injected(PrecisionPolicy):
+    """The policy with measurements given instead of taken: both branches of a decision on any machine."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(rules="auto", **kwargs)
+        self.rows = rows
+
+    def _measure(self, trainer, pl_module, batch, batch_idx, **kwargs):
+        return PrecisionMeasurements(self.rows, device="injected", loss=1.0, seconds=0.0)
+
+
+def test_auto_runs_each_class_in_the_decided_dtype(tmp_path):
+    model = Probe()
+    rows = [_row("matmul", speed=0.3), _row("norm", speed=0.5, loss=0.2), _row("activation", speed=2.0),
+            _row("softmax", speed=0.5), _row("loss", speed=1.0)]
+    policy = Injected(rows, census_every_n_steps=1)
+    trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
+    bf, fp = torch.bfloat16, torch.float32
+    assert model.seen == dict(linear=bf, norm=fp, softmax=bf, gelu=fp, matmul=bf, inner=bf, head=bf, loss=fp)
+    assert policy.census[("matmul", "bf16")]["rel_error"] > 0
+    _, texts = read_events(str(tmp_path))
+    assert "| matmul | bf16 | 3.33x faster than fp32" in texts["opkit/precision/decision"][0][1]
+    assert "| norm | fp32 |" in texts["opkit/precision/policy"][-1][1]
+
+
+def test_auto_re_measures_every_n_steps(tmp_path):
+    policy = PrecisionPolicy(rules="auto", measure_every_n_steps=2, census_every_n_steps=0)
+    trainer(tmp_path, [policy], max_steps=5).fit(Probe(), make_loader())
+    scalars, _ = read_events(str(tmp_path))
+    assert [s for s, _ in scalars["opkit/precision/measure_s"]] == [0, 2, 4]
+    assert all(v > 0 for _, v in scalars["opkit/precision/measure_s"])
+
+
+def test_explicit_rules_warn_once_when_a_dtype_is_measured_slower(tmp_path, recwarn):
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0)
+    trainer(tmp_path, [policy], max_steps=3).fit(Probe(), make_loader())
+    slow = [str(w.message) for w in recwarn if "slower than fp32" in str(w.message)]
+    matmul = policy.measurements.get("matmul", "bf16")
+    assert matmul.rel_error is None  # speed only: explicit rules are not second-guessed on accuracy
+    if matmul.speed > 1.05:
+        assert len(slow) == 1 and f"bf16 matmul is {matmul.speed:.2f}x slower than fp32" in slow[0]
+        assert "check_speed=False" in slow[0] and "rules='auto'" in slow[0]
+        if NO_BF16_UNITS:
+            assert "no native bf16 units" in slow[0]
+    else:
+        assert not slow
+    recwarn.clear()
+    quiet = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, check_speed=False)
+    trainer(tmp_path / "quiet", [quiet], max_steps=1).fit(Probe(), make_loader())
+    assert quiet.measurements is None and not [w for w in recwarn if "slower than fp32" in str(w.message)]
+
+
+def test_measurement_leaves_the_training_run_unchanged(tmp_path):
+    # With every class decided fp32 (or, on a machine with bf16 units, whatever it decides: compare the same table),
+    # a run that measured first trains exactly like one that did not: no RNG, buffer or gradient left behind.
+    torch.manual_seed(0)
+    measured = Probe()
+    auto = PrecisionPolicy(rules="auto", census_every_n_steps=0)
+    trainer(tmp_path / "a", [auto], max_steps=3).fit(measured, make_loader())
+    torch.manual_seed(0)
+    plain = Probe()
+    rules = {c: d for c, d in auto.table.items() if c in auto.decisions}
+    fixed = PrecisionPolicy(rules=rules, default="fp32", census_every_n_steps=0, check_speed=False)
+    trainer(tmp_path / "b", [fixed], max_steps=3).fit(plain, make_loader())
+    assert snapshot(measured) == snapshot(plain)
+    assert all(torch.equal(a, b) for a, b in zip(measured.parameters(), plain.parameters()))
+    assert math.isfinite(auto.measurements.seconds)
