@@ -7,7 +7,9 @@
    overflow to the scaler, training stays finite.
 3. bf16 Tensor Core path: the built-in table under 32-true runs matmuls in bf16.
 4. TorchCompile with the cudagraphs Inductor option trains without falling back.
-5. Overhead ratios on the GPU (benchmarks/overhead.py suites with --accelerator cuda).
+5. rules="auto" on the GPU: bf16 (and fp16 under 16-mixed) measured faster for GEMMs, chosen where accurate; the
+   sensitivity tables of the example and GPT-2 (benchmarks/sensitivity.py --accelerator cuda).
+6. Overhead ratios on the GPU (benchmarks/overhead.py suites with --accelerator cuda), rules="auto" included.
 """
 
 from __future__ import annotations
@@ -69,8 +71,15 @@ def main() -> int:
           "graph breaks:", compiler.watch.graph_breaks())
     ok &= compiler.error is None and compiler.watch.compiles >= 1
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overhead.py")
-    for suite in ("nan", "precision", "profiler", "compile"):
+    auto = PrecisionPolicy(rules="auto", census_every_n_steps=5)
+    fit([auto], 10, precision="16-mixed")
+    print("5. rules='auto' under 16-mixed:", {c: (d.dtype, d.reason) for c, d in auto.decisions.items()})
+    ok &= auto.measurements is not None and auto.measurements.get("matmul", "bf16") is not None
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, os.path.join(here, "sensitivity.py"), "--accelerator", "cuda"], check=False)
+
+    script = os.path.join(here, "overhead.py")
+    for suite in ("nan", "precision", "precision_auto", "profiler", "compile"):
         subprocess.run([sys.executable, script, "--suite", suite, "--accelerator", "cuda", "--reps", "3",
                         "--steps", "60"], check=False)
     print("ALL GPU CHECKS PASSED" if ok else "SOME GPU CHECKS FAILED")

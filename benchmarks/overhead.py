@@ -132,7 +132,7 @@ def suite_nan(args) -> None:
 def suite_precision(args) -> None:
     medians = interleave({
         "bf16-mixed": lambda: (vit(), [], {"precision": "bf16-mixed"}),
-        "bf16-mixed + PrecisionPolicy": lambda: (vit(), [PrecisionPolicy(census_every_n_steps=0)],
+        "bf16-mixed + PrecisionPolicy": lambda: (vit(), [PrecisionPolicy(census_every_n_steps=0, check_speed=False)],
                                                  {"precision": "bf16-mixed"}),
     }, args.steps, args.reps, args.skip)
     report("PrecisionPolicy (built-in table) over plain bf16-mixed, eager", medians, "bf16-mixed")
@@ -153,7 +153,7 @@ def suite_precision_loop(args) -> None:
             for block in net.blocks:
                 block.compile()
         policy = PrecisionPolicy(census_every_n_steps=0)
-        policy._autocast_devices = ["cpu"]
+        policy._state.autocast_devices = ["cpu"]
 
         def step(governed: bool, net=net, policy=policy) -> float:
             t0 = time.perf_counter()
@@ -178,9 +178,34 @@ def suite_precision_loop(args) -> None:
         print(f"  autocast {1e3 * plain:.2f} ms, + policy {1e3 * governed:.2f} ms, ratio {governed / plain:.3f}")
 
 
+def suite_precision_auto(args) -> None:
+    """rules="auto" against the faster of plain fp32 and plain bf16-mixed on this machine, and what measuring costs."""
+    policies: list[PrecisionPolicy] = []
+
+    def auto():
+        policies.append(PrecisionPolicy(rules="auto", census_every_n_steps=0))
+        return vit(), [policies[-1]], {}
+
+    medians = interleave({
+        "fp32 (32-true)": lambda: (vit(), [], {}),
+        "bf16-mixed": lambda: (vit(), [], {"precision": "bf16-mixed"}),
+        "PrecisionPolicy(rules='auto')": auto,
+    }, args.steps, args.reps, args.skip)
+    report("PrecisionPolicy(rules='auto') vs plain fp32 and plain bf16-mixed", medians, "fp32 (32-true)")
+    best = min(("fp32 (32-true)", "bf16-mixed"), key=medians.__getitem__)
+    ratio = medians["PrecisionPolicy(rules='auto')"] / medians[best]
+    print(f"  auto / faster of fp32 and bf16-mixed ({best}): {ratio:.3f} (target <= 1.05)")
+    seconds = [p.measurements.seconds for p in policies if p.measurements is not None]
+    print(f"  measurement at fit start: median {statistics.median(seconds):.2f} s (first, cold {seconds[0]:.2f} s)")
+    last = policies[-1]
+    print(f"  decided on {last.measurements.device}: " + ", ".join(
+        f"{c} {d.dtype}" for c, d in last.decisions.items()))
+    print("\n" + last.measurements.table({c: d.dtype for c, d in last.decisions.items()}))
+
+
 def suite_precision_compile(args) -> None:
     def compiled(policy: bool):
-        callbacks = [PrecisionPolicy(census_every_n_steps=0)] if policy else []
+        callbacks = [PrecisionPolicy(census_every_n_steps=0, check_speed=False)] if policy else []
         return vit(), [*callbacks, TorchCompile(modules=["model.blocks.*"])], {"precision": "bf16-mixed"}
 
     medians = interleave({
@@ -300,6 +325,7 @@ def suite_cold_start(args) -> None:
 
 
 SUITES = {"nan": suite_nan, "precision": suite_precision, "precision_loop": suite_precision_loop,
+          "precision_auto": suite_precision_auto,
           "precision_compile": suite_precision_compile,
           "profiler": suite_profiler, "compile": suite_compile, "cold_start": suite_cold_start}
 

@@ -23,8 +23,11 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
                                          r"opkit/profiler/framework_ms"]],
     },
     "opkit precision": {
-        "headroom to overflow (bits)": ["Multiline", [r"opkit/precision/[a-z]+/headroom_bits"]],
+        "16-bit output error vs fp32 recompute (relative)": ["Multiline", [r"opkit/precision/[a-z]+/rel_error"]],
+        "16-bit outputs lost to underflow (fraction)": ["Multiline", [r"opkit/precision/[a-z]+/underflow_frac"]],
+        "fp16 headroom to overflow (bits)": ["Multiline", [r"opkit/precision/[a-z]+/headroom_bits"]],
         "calls per census step": ["Multiline", [r"opkit/precision/[a-z]+/calls"]],
+        "measurement time (s)": ["Multiline", [r"opkit/precision/measure_s"]],
     },
     "opkit nan": {
         "non-finite events and skipped steps": ["Multiline", [r"opkit/nan/events", r"opkit/nan/skipped_steps",

@@ -89,3 +89,15 @@ def test_a_nan_that_does_not_come_back_is_transient(tmp_path, fault_calls):
     (report,) = detector.events
     assert report["cause"] == "transient"
     assert (report["module"] is None) == (fault_calls == 1)
+
+
+def test_a_nan_in_the_data_is_data_or_model(tmp_path):
+    loader = make_loader()
+    x, y = loader.dataset.tensors
+    x = x.clone()
+    x[8, 3] = float("nan")  # the second batch (batch_size 8) carries a NaN
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    detector = NaNDetector(action="skip")
+    trainer(tmp_path, [detector], max_steps=3, precision="bf16-mixed").fit(Net(), loader)
+    (report,) = detector.events
+    assert report["step"] == 1 and report["cause"] == "data_or_model" and "batch 1" in report["advice"]

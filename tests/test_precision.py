@@ -298,3 +298,35 @@ def test_census_counts_a_step_once_even_when_nan_detector_replays_it(tmp_path):
     trainer(tmp_path, [policy, detector], max_steps=3).fit(TinyNet(forward_steps=(2,)), make_loader())
     assert [e["step"] for e in detector.events] == [2]  # step 2 was replayed by the detector
     assert policy.census[("matmul", "fp32")]["calls"] == 2  # body.0 and head, once each
+
+
+class DropAttention(pl.LightningModule):
+    """Attention with dropout inside the op: its fp32 recompute must draw the same mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.head = nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        q, k, v = self.qkv(x).view(2, 4, 3, 8).unbind(2)
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        return F.cross_entropy(self.head(h.reshape(8, 8)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_census_recomputes_random_ops_with_their_own_random_numbers(tmp_path):
+    runs = {}
+    for every in (1, 0):
+        torch.manual_seed(0)
+        model = DropAttention()
+        policy = PrecisionPolicy(rules={"attention": "bf16"}, census_every_n_steps=every, check_speed=False)
+        trainer(tmp_path / str(every), [policy], max_steps=3).fit(model, make_loader())
+        runs[every] = (model, policy)
+    attention = runs[1][1].census[("attention", "bf16")]
+    assert 0 < attention["rel_error"] < 0.02  # another dropout mask would give an error near 1
+    # census steps leave the random stream where it was: the same training as without a census
+    assert all(torch.equal(a, b) for a, b in zip(runs[1][0].parameters(), runs[0][0].parameters()))

@@ -189,3 +189,27 @@ def test_measurement_leaves_the_training_run_unchanged(tmp_path):
     assert snapshot(measured) == snapshot(plain)
     assert all(torch.equal(a, b) for a, b in zip(measured.parameters(), plain.parameters()))
     assert math.isfinite(auto.measurements.seconds)
+
+
+class Manual(Probe):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.steps_taken = 0
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.steps_taken += 1
+
+
+def test_manual_optimization_is_not_measured_twice_stepped(tmp_path):
+    model = Manual()
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
+    with pytest.warns(UserWarning, match="manual optimization"):
+        trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
+    assert model.steps_taken == 3 and policy.measurements is None  # measuring would have stepped the optimizer
+    assert {policy.table[c] for c in ("matmul", "norm", "loss")} == {"fp32"}

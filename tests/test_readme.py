@@ -57,3 +57,11 @@ def test_readme_snippet_runs(tmp_path, monkeypatch, capsys, model):
         assert "['layer (Linear)']" in out
     else:
         assert "model.transformer.encoder.layers.0" in out and "model.transformer.decoder.layers.1" in out
+
+
+def test_measure_precision_snippet_runs_as_written(capsys):
+    text = open(README).read()
+    section = text[text.index("The same measurement without a Trainer"):]
+    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), {})
+    out = capsys.readouterr().out
+    assert "| matmul | bf16 |" in out and "'matmul': '" in out

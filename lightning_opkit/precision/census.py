@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_opkit._replay import rng_state, set_rng_state
 from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
 
 # Ops that draw random numbers: an fp32 recompute would draw again and change the run's random stream.
@@ -37,16 +38,16 @@ def is_random(func: Callable[..., Any]) -> bool:
     return any(word in name for word in _RANDOM)
 
 
-def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict, rng: tuple[Tensor, Any]) -> Any:
     """``func`` run again in fp32 on the same (uncast) inputs, autocast off, leaving no trace; ``None`` if it cannot.
 
     Args:
         func: the op, as a ``TorchFunctionMode`` receives it.
         args: its positional arguments as the caller passed them (before any policy cast).
         kwargs: its keyword arguments.
+        rng: the RNG state the op started from: an op that draws random numbers (attention with dropout) draws the
+            same ones again, and the run's random stream goes on from where the op left it.
     """
-    if is_random(func):
-        return None
     if func in UPDATED_ARGS:
         # A recompute must not update the running statistics a second time.
         positions, names = UPDATED_ARGS[func]
@@ -57,12 +58,15 @@ def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
     for d in devices:
         torch.set_autocast_enabled(d, False)
+    after = rng_state()
+    set_rng_state(rng)
     try:
         with torch.no_grad():
             return func(*args, **kwargs)
     except Exception:  # an op that only exists for its low-precision inputs: no reference, no error figure
         return None
     finally:
+        set_rng_state(after)
         for d in devices:
             torch.set_autocast_enabled(d, True)
 

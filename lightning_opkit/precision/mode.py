@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_opkit._modes import _SUSPENDED
+from lightning_opkit._replay import rng_state
 from lightning_opkit.opclass import function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference, is_random
 from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
@@ -100,6 +101,8 @@ class PolicyMode(TorchFunctionMode):
         stack = state.module_stack
         dtype = stack[-1] if stack else state.class_dtypes[cls]
         given = (args, kwargs)
+        census = state.census
+        rng = rng_state() if not compiling and census is not None else None  # census steps only
         if dtype is None or inplace or "out" in kwargs:
             out = func(*args, **kwargs)
         else:
@@ -131,12 +134,11 @@ class PolicyMode(TorchFunctionMode):
                 with torch.no_grad():
                     for buffer, copy in written:
                         buffer.copy_(copy)
-        census = state.census
-        if not compiling and census is not None:
+        if rng is not None and census is not None:
             # Census steps only: the op again in fp32 on the inputs it was given, for its error and underflow.
             ref = None
             if not inplace and "out" not in kwargs and census.wants_reference(out):
-                ref = fp32_reference(func, *given)
+                ref = fp32_reference(func, *given, rng)
             census.record(cls, out, bool(stack), ref)
         return out
 

@@ -258,7 +258,8 @@ class PrecisionPolicy(Callback):
         """This callback's lines of the run summary."""
         by_dtype: dict[str, list[str]] = {}
         for cls in GOVERNED:
-            by_dtype.setdefault(self.table[cls], []).append(cls)
+            if not self.decisions or cls in self.decisions:  # under auto: the classes the model ran
+                by_dtype.setdefault(self.table[cls], []).append(cls)
         head = "precision policy"
         if self.auto and self.measurements is not None:
             head += f" (auto, measured in {self.measurements.seconds:.1f} s on {self.measurements.device})"
@@ -330,6 +331,11 @@ class PrecisionPolicy(Callback):
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
                  **kwargs: Any) -> PrecisionMeasurements | None:
+        if not pl_module.automatic_optimization:
+            # Its training_step steps the optimizers itself: running it again would train on the batch again.
+            rank_zero_warn("PrecisionPolicy cannot measure a model with manual optimization (its training_step steps"
+                           " the optimizers); the policy keeps its table.")
+            return None
         step = self._originals["training_step"]
 
         def loss_fn(model: torch.nn.Module, b: Any) -> Tensor:
@@ -349,7 +355,7 @@ class PrecisionPolicy(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         dtypes = ["bf16", "fp16"] if scaler else ["bf16"]  # fp16 only where a GradScaler scales the loss
         measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes)
-        decisions = decide(measurements or [], self.tolerance, dtypes) if measurements is not None else {}
+        decisions = decide(measurements, self.tolerance, dtypes) if measurements is not None else {}
         # Every rank runs what rank zero decided: the same numerics, the same compiled graphs.
         chosen = trainer.strategy.broadcast({c: (d.dtype, d.reason) for c, d in decisions.items()}, src=0)
         self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
@@ -366,8 +372,8 @@ class PrecisionPolicy(Callback):
             rows = [[c, d.dtype, d.reason] for c, d in self.decisions.items()]
             head = (f"tolerance {self.tolerance:g}, at least {MIN_SPEEDUP:.2f}x faster than fp32; measured on"
                     f" {measurements.device}.\n\n")
-            table = markdown_table(["op class", "dtype", "evidence"], rows)
-            self._writer.text("opkit/precision/decision", head + table, step)
+            evidence = markdown_table(["op class", "dtype", "evidence"], rows)
+            self._writer.text("opkit/precision/decision", head + evidence, step)
             self._writer.scalar("opkit/precision/measure_s", measurements.seconds, step)
             self._log_table(step)
             self._writer.flush()
