@@ -21,11 +21,12 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PAGES = {"custom_scalars.png": "#custom_scalars", "op_classes.png": "#text&tagFilter=op_classes"}
+PAGES = {"custom_scalars.png": "#custom_scalars", "op_classes.png": "#text&tagFilter=op_classes",
+         "sensitivity.png": "#text&tagFilter=precision/sensitivity"}
 
 
 def train(log_dir: str) -> None:
-    """A short run of the example config (eager compile backend, windows every 20 steps)."""
+    """A short run of the example config (eager compile backend, a profiler window every 12 steps)."""
     from examples.train import main
 
     config = os.path.join(ROOT, "examples", "config.yaml")
@@ -35,7 +36,7 @@ def train(log_dir: str) -> None:
                 "--trainer.callbacks.init_args.backend", "eager"], run=False)
     for callback in cli.trainer.callbacks:
         if type(callback).__name__ == "ProfilerWindows":
-            callback.every_n_steps = 20
+            callback.every_n_steps = 12  # a window (steps 13-15) inside the 23-batch epoch, clear of its last batch
         if type(callback).__name__ == "PrecisionPolicy":
             callback.census_every_n_steps = 10
     cli.trainer.fit(cli.model, cli.datamodule)

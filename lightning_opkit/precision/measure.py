@@ -196,57 +196,72 @@ def _autocast_off() -> Iterator[None]:
             torch.set_autocast_enabled(d, True)
 
 
-def _time_op(func: Callable[..., Any], args: tuple, kwargs: dict, dtype: torch.dtype, reps: int,
-             device: torch.device, baseline: float | None) -> float:
-    """Median seconds of one forward + backward of ``func`` with its floating inputs cast to ``dtype`` first."""
-    leaves: list[Tensor] = []
+class _OpTimer:
+    """One op at one input shape, timed forward + backward with its floating inputs cast to a dtype first."""
 
-    def leaf(t: Any) -> Any:
-        if isinstance(t, _Stat):
-            return t.as_subclass(Tensor)
-        if isinstance(t, Tensor) and t.is_floating_point():
-            t = t.detach().requires_grad_(True)
-            leaves.append(t)
-        return t
+    def __init__(self, func: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device) -> None:
+        self.func, self.device = func, device
+        self.leaves: list[Tensor] = []
 
-    args, kwargs = tree_map(leaf, (args, kwargs))
-    grads: list[Tensor] = []
+        def leaf(t: Any) -> Any:
+            if isinstance(t, _Stat):
+                return t.as_subclass(Tensor)
+            if isinstance(t, Tensor) and t.is_floating_point():
+                t = t.detach().requires_grad_(True)
+                self.leaves.append(t)
+            return t
 
-    def once() -> float:
-        sync()
+        self.args, self.kwargs = tree_map(leaf, (args, kwargs))
+        self.grads: dict[torch.dtype, list[Tensor]] = {}
+        self.inner = 1
+
+    def once(self, dtype: torch.dtype) -> float:
+        """Seconds for one forward + backward in ``dtype``, input casts included."""
+        self._sync()
         start = time.perf_counter()
         a, k = tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t,
-                        (args, kwargs))
-        outs = [o for o in tree_leaves(func(*a, **k)) if isinstance(o, Tensor) and o.requires_grad]
+                        (self.args, self.kwargs))
+        outs = [o for o in tree_leaves(self.func(*a, **k)) if isinstance(o, Tensor) and o.requires_grad]
         if outs:
-            if not grads:
-                grads.extend(torch.ones_like(o) for o in outs)
-            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-        sync()
+            grads = self.grads.setdefault(dtype, [torch.ones_like(o) for o in outs])
+            torch.autograd.grad(outs, self.leaves, grads, allow_unused=True)
+        self._sync()
         return time.perf_counter() - start
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def sample(self, dtype: torch.dtype) -> float:
+        """Mean seconds over ``inner`` calls (fast ops are timed several calls at a time, above the clock's jitter)."""
+        return sum(self.once(dtype) for _ in range(self.inner)) / self.inner
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _time_op(example: tuple, device: torch.device, dtypes: list[torch.dtype], reps: int) -> dict[torch.dtype, float]:
+    """Median seconds per dtype (``dtypes[0]`` is fp32), samples interleaved so drift hits every dtype alike.
+
+    A dtype that fails raises; one clearly slower than fp32 after its first sample is not sampled again.
+    """
+    _, func, args, kwargs = example
+    timer = _OpTimer(func, args, kwargs, device)
+    samples: dict[torch.dtype, list[float]] = {d: [] for d in dtypes}
     with _autocast_off(), torch.enable_grad():
-        first = once()  # warm-up: allocator, kernel selection, lazy init
-        # Fast ops are timed in runs of several calls, so that each sample is well above the clock's jitter.
-        inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(first, 1e-7))))
-        samples: list[float] = []
-        for _ in range(reps):
-            samples.append(sum(once() for _ in range(inner)) / inner)
-            if baseline is not None and samples[0] > _CLEARLY_SLOWER * baseline:
-                break
-    return statistics.median(samples)
+        for d in dtypes:
+            timer.once(d)  # warm-up: allocator, kernel selection, lazy init
+        timer.inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(timer.once(dtypes[0]), 1e-7))))
+        for rep in range(reps):
+            for d in dtypes:
+                if rep and d != dtypes[0] and samples[d][0] > _CLEARLY_SLOWER * samples[dtypes[0]][0]:
+                    continue
+                samples[d].append(timer.sample(d))
+    return {d: statistics.median(v) for d, v in samples.items()}
 
 
-def _timed(device: torch.device, key: tuple[Any, ...], example: tuple, dtype: torch.dtype, reps: int,
-           baseline: float | None) -> float:
-    cache_key = (str(device), *key, dtype)
+def _timed(device: torch.device, key: tuple[Any, ...], example: tuple, dtypes: list[torch.dtype],
+           reps: int) -> dict[torch.dtype, float]:
+    cache_key = (str(device), *key, tuple(dtypes))
     if cache_key not in _TIMES:
-        _, func, args, kwargs = example
-        _TIMES[cache_key] = _time_op(func, args, kwargs, dtype, reps, device, baseline)
+        _TIMES[cache_key] = _time_op(example, device, dtypes, reps)
     return _TIMES[cache_key]
 
 
@@ -356,8 +371,8 @@ def measure_precision(
         for cls in sorted(by_class, key=OP_CLASSES.index):
             base = {}
             for k in by_class[cls]:
-                try:
-                    base[k] = _timed(device, k, log.examples[k], torch.float32, reps, None)
+                try:  # a quick fp32 estimate per shape, to find where the class's time goes
+                    base[k] = _timed(device, k, log.examples[k], [torch.float32], 1)[torch.float32]
                 except Exception as err:  # an op that cannot be run alone (unusual arguments): left out of timing
                     notes.append(f"{cls}: {getattr(k[0], '__name__', k[0])} not timed ({type(err).__name__})")
             keys = list(base)
@@ -377,12 +392,12 @@ def measure_precision(
                 dtype = DTYPES[name]
                 assert dtype is not None
                 try:
-                    low = sum(_timed(device, k, log.examples[k], dtype, reps, base[k]) * log.counts[k]
-                              for k in chosen)
-                    row.speed = low / max(sum(weight[k] for k in chosen), 1e-12)
+                    pairs = [_timed(device, k, log.examples[k], [torch.float32, dtype], reps) for k in chosen]
                 except Exception as err:  # the op has no kernel for this dtype on this device
                     row.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                     continue
+                fp32_time = sum(t[torch.float32] * log.counts[k] for t, k in zip(pairs, chosen))
+                row.speed = sum(t[dtype] * log.counts[k] for t, k in zip(pairs, chosen)) / max(fp32_time, 1e-12)
                 if not errors:
                     continue
                 state.set_table(fp32 | {cls: name})
