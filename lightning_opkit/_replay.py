@@ -113,7 +113,7 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
     with preserved(model, rng=False), torch.compiler.set_stance("force_eager"), torch.enable_grad():
         loss = compute_loss()
         grads: list[Tensor | None] = [None] * len(params)
-        if backward and loss is not None and loss.requires_grad:
+        if backward and loss is not None and loss.requires_grad and params:
             grads = list(torch.autograd.grad(loss, params, allow_unused=True))
     return (None if loss is None else loss.detach()), grads
 

@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 from helpers import read_events
@@ -13,10 +15,26 @@ ZOO_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_zoo_script.py")
 
 
 def run_two_ranks(script, out, arg):
-    """Run a 2-process DDP script; return what each rank wrote (rank0.json, rank1.json)."""
-    proc = subprocess.run([sys.executable, script, str(out), arg], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """Run a 2-process DDP script; return what each rank wrote (rank0.json, rank1.json).
+
+    A run killed by a signal is run once more, with a warning; a Python error or a second crash fails. Once in ~15 runs
+    here rank zero of the profiler script died of SIGABRT in native code, not reproduced since (Kineto has a known
+    abort around profiling: pytorch/kineto#1051).
+    """
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, script, str(out), arg], capture_output=True, text=True, timeout=300,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+        if proc.returncode < 0 and attempt == 1:
+            warnings.warn(f"{os.path.basename(script)} {arg}: killed by signal {-proc.returncode}; running it again",
+                          stacklevel=2)
+            shutil.rmtree(out)
+            os.makedirs(out)
+            continue
+        break
+    if proc.returncode != 0:  # rank zero's own lines first (rank 1's traceback alone only says rank zero went away)
+        own = [line for line in proc.stderr.splitlines() if not line.startswith("[rank1]")]
+        pytest.fail(f"exit code {proc.returncode}\n" + "\n".join(own[-80:]) + "\n--- end of stderr ---\n"
+                    + proc.stderr[-1500:])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -351,8 +351,9 @@ def measure_precision(
     def run(log: _OpLog | None = None) -> tuple[Tensor, list[Tensor | None]]:
         with mode, log or contextlib.nullcontext(), torch.enable_grad():
             loss = compute(model, batch)
-        grads = torch.autograd.grad(loss, params, allow_unused=True) if loss.requires_grad else [None] * len(params)
-        return loss.detach().float(), list(grads)
+        if not (loss.requires_grad and params):  # a frozen model: the loss alone says what lowering costs
+            return loss.detach().float(), [None] * len(params)
+        return loss.detach().float(), list(torch.autograd.grad(loss, params, allow_unused=True))
 
     rows: list[Measurement] = []
     notes: list[str] = []
