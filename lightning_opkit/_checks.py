@@ -57,3 +57,21 @@ def check_globs(name: str, value: Any) -> None:
         raise ValueError(f"Expected `{name}` to be a list of glob strings or None, but got {value!r}")
     if value is not None and not value:
         raise ValueError(f"`{name}` is an empty list, which would match no module; use None for the default")
+
+
+def check_fraction(name: str, value: Any, what: str = "") -> None:
+    """Raise unless ``value`` is a number (not a bool) in ``[0, 1)``.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        what: what the number means, for the message.
+
+    Example:
+        >>> check_fraction("tolerance", 1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `tolerance` to be a number in [0, 1), but got 1.5
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ValueError(f"Expected `{name}` to be a number in [0, 1){f' ({what})' if what else ''}, but got {value!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from lightning_opkit._checks import check_fraction
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.measure import Measurement, speed_phrase
 
@@ -71,8 +72,7 @@ def decide(
         >>> {c: d.dtype for c, d in decide(rows).items()}
         {'matmul': 'fp32', 'conv': 'bf16'}
     """
-    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 <= tolerance < 1:
-        raise ValueError(f"Expected `tolerance` to be a number in [0, 1), but got {tolerance!r}")
+    check_fraction("tolerance", tolerance)
     by_class: dict[str, list[Measurement]] = {}
     for row in measurements:
         by_class.setdefault(row.op_class, []).append(row)

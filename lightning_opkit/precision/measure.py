@@ -43,8 +43,9 @@ _CLEARLY_SLOWER = 3.0
 _SAMPLE_S = 1e-3
 _MAX_INNER = 20
 
-# (device, op, input shapes and dtypes, dtype) -> seconds for one forward + backward; shapes do not change in a run
-_TIMES: dict[tuple[Any, ...], float] = {}
+# (device, op, input shapes and dtypes, dtypes timed) -> dtype -> seconds for one forward + backward; a model's
+# shapes rarely change within a run, so a re-measurement times nothing again
+_TIMES: dict[tuple[Any, ...], dict[torch.dtype, float]] = {}
 
 
 @dataclass
@@ -84,6 +85,7 @@ class PrecisionMeasurements:
         device: a description of the device they were taken on.
         loss: the fp32 loss of the measured batch.
         seconds: what measuring cost, wall clock.
+        notes: what could not be measured, and why.
     """
 
     rows: list[Measurement]
@@ -111,7 +113,7 @@ class PrecisionMeasurements:
             chosen: the dtype decided per class, if any.
         """
         rows = sorted(self.rows, key=lambda r: (-(r.fp32_ms or 0.0), r.op_class, r.dtype))
-        body = [[r.op_class, r.dtype, r.calls, r.fp32_ms, _speed_text(r), _fmt(r.rel_error, ".2e"),
+        body = [[r.op_class, r.dtype, r.calls, r.fp32_ms, speed_phrase(r), _fmt(r.rel_error, ".2e"),
                  _fmt(r.loss_change, ".2e"), _fmt(r.grad_cosine, ".6f"),
                  ("yes" if chosen.get(r.op_class) == r.dtype else "no") if chosen is not None else "-"]
                 for r in rows]
@@ -127,17 +129,13 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _speed_text(row: Measurement) -> str:
+def speed_phrase(row: Measurement) -> str:
+    """``"11.2x slower"`` or ``"1.8x faster"`` for a measured row (``"-"`` if not measured)."""
     if row.failed:
         return f"failed: {row.failed}"
     if row.speed is None:
         return "-"
     return f"{1 / row.speed:.2f}x faster" if row.speed < 1 else f"{row.speed:.2f}x slower"
-
-
-def speed_phrase(row: Measurement) -> str:
-    """``"11.2x slower"`` or ``"1.8x faster"`` for a measured row."""
-    return _speed_text(row)
 
 
 class _OpLog(TorchFunctionMode):

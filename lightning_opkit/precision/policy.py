@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_opkit._checks import check_bools, check_int
+from lightning_opkit._checks import check_bools, check_fraction, check_int
 from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._replay import loss_of
@@ -115,9 +115,7 @@ class PrecisionPolicy(Callback):
         check_int("census_every_n_steps", census_every_n_steps, 0)
         check_int("measure_every_n_steps", measure_every_n_steps, 0)
         check_bools(check_speed=check_speed)
-        if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 <= tolerance < 1:
-            raise ValueError(f"Expected `tolerance` to be a number in [0, 1) (relative loss change and 1 - gradient"
-                             f" cosine), but got {tolerance!r}")
+        check_fraction("tolerance", tolerance, "relative loss change and 1 - gradient cosine")
         self.rules: str | dict[str, str] | None = "auto" if auto else (dict(rules) if rules is not None else None)
         self.default = default
         self.modules = dict(modules or {})
