@@ -213,3 +213,43 @@ def test_manual_optimization_is_not_measured_twice_stepped(tmp_path):
         trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
     assert model.steps_taken == 3 and policy.measurements is None  # measuring would have stepped the optimizer
     assert {policy.table[c] for c in ("matmul", "norm", "loss")} == {"fp32"}
+
+
+class FailsOnce(Probe):
+    """A step that raises the first time it ever runs (the measurement's fp32 reference run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def training_step(self, batch, batch_idx):
+        self.runs += 1
+        if self.runs == 1:
+            raise RuntimeError("a user invariant")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failing_measurement_warns_and_training_goes_on_in_fp32(tmp_path):
+    model = FailsOnce()
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
+    with pytest.warns(UserWarning, match="could not measure this model \\(RuntimeError: a user invariant\\).*fp32"):
+        trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
+    assert model.trainer.global_step == 2 and policy.measurements is None and policy.decisions == {}
+    assert model.seen["matmul"] == torch.float32 and model.seen["norm"] == torch.float32
+
+
+def test_a_lowered_run_that_fails_is_that_rows_failure_and_fp32():
+    runs = []
+
+    def loss_fn(model, batch):
+        runs.append(1)
+        if len(runs) == 2:  # the first lowered run
+            raise RuntimeError("no kernel for this")
+        return model(batch).square().mean()
+
+    table = measure_precision(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), lambda: torch.randn(4, 8),
+                              loss_fn=loss_fn)
+    failed = [r for r in table if r.failed]
+    assert len(failed) == 1 and "no kernel for this" in failed[0].failed and failed[0].speed is not None
+    assert decide(table)[failed[0].op_class].dtype == "fp32"
+    assert all(r.grad_cosine is not None for r in table if not r.failed)

@@ -344,8 +344,9 @@ class PrecisionPolicy(Callback):
 
         try:
             return measure_precision(pl_module, lambda: batch, device=pl_module.device, loss_fn=loss_fn, **kwargs)
-        except ValueError as err:
-            rank_zero_warn(f"PrecisionPolicy could not measure this model ({err}); the policy keeps its table.")
+        except Exception as err:  # a measurement that fails must not end the training it was meant to speed up
+            rank_zero_warn(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
+                           f" keeps its table{' (every class in fp32)' if self.auto else ''}.")
             return None
 
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
