@@ -24,7 +24,8 @@ from lightning_opkit._replay import preserved
 from lightning_opkit.opclass import classify_function, classify_module
 
 
-def _floats(value: Any) -> list[Tensor]:
+def floats(value: Any) -> list[Tensor]:
+    """The non-empty floating tensors anywhere in ``value`` (nested lists, tuples, dicts), in order."""
     return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
 
 
@@ -143,18 +144,18 @@ class Recorder:
 
     def _forward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            outs = _floats(output)
+            outs = floats(output)
             dtype = str(outs[0].dtype).replace("torch.", "") if outs else "-"
-            self.fwd.append(_Record("module", path, module, dtype, _stats(_floats((args, kwargs)), masks_ok=True),
+            self.fwd.append(_Record("module", path, module, dtype, _stats(floats((args, kwargs)), masks_ok=True),
                                     _stats(outs, masks_ok=True)))
 
         return hook
 
     def _backward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            gin = _floats(grad_input)
+            gin = floats(grad_input)
             dtype = str(gin[0].dtype).replace("torch.", "") if gin else "-"
-            self.bwd.append(_Record("module", path, module, dtype, _stats(_floats(grad_output)), _stats(gin)))
+            self.bwd.append(_Record("module", path, module, dtype, _stats(floats(grad_output)), _stats(gin)))
 
         return hook
 

@@ -17,8 +17,7 @@ from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs, check_int
 from lightning_opkit._modules import resolve_modules
-from lightning_opkit._nan_locate import _floats as floats
-from lightning_opkit._nan_locate import describe, replay
+from lightning_opkit._nan_locate import describe, floats, replay
 from lightning_opkit._patch import Patches
 from lightning_opkit._replay import autocast_off_in, loss_of, quiet_logging, rng_state, run_step, set_rng_state
 from lightning_opkit._summary import end_summary, start_summary

@@ -355,7 +355,8 @@ class PrecisionPolicy(Callback):
         dtypes = ["bf16", "fp16"] if scaler else ["bf16"]  # fp16 only where a GradScaler scales the loss
         measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes)
         decisions = decide(measurements, self.tolerance, dtypes) if measurements is not None else {}
-        # Every rank runs what rank zero decided: the same numerics, the same compiled graphs.
+        # Every rank measured (a SyncBatchNorm's collectives need every rank in each forward); every rank runs what
+        # rank zero decided: the same numerics, the same compiled graphs.
         chosen = trainer.strategy.broadcast({c: (d.dtype, d.reason) for c, d in decisions.items()}, src=0)
         self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
         self.measurements = measurements
