@@ -1,0 +1,30 @@
+"""rules="auto" under TorchCompile: code compiled before a decision follows it (the class table is guarded)."""
+
+import torch
+from helpers import make_loader, trainer
+from test_compile import Blocks
+from test_precision_auto import Injected, _row
+
+from lightning_opkit import TorchCompile
+
+
+class Changing(Injected):
+    """Measures "pointwise is slower in bf16" first, "faster" at the re-measurement."""
+
+    def _measure(self, trainer, pl_module, batch, batch_idx, **kwargs):
+        self.rows = [_row("pointwise", speed=2.0 if self._measured_at == 0 else 0.3)]
+        return super()._measure(trainer, pl_module, batch, batch_idx, **kwargs)
+
+
+def test_compiled_regions_follow_a_decision_taken_after_they_were_compiled(tmp_path):
+    model = Blocks(depth=2)
+    seen = []
+    # Outside the compiled forward (TorchCompile compiles blocks[0].forward in place): what the compiled code returned.
+    # Block 0's input comes from `inp` (matmul, fp32 either way) and grad mode stays on in training, so no other guard
+    # than the policy's table can make the region recompile when the decision changes at step 2.
+    model.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    policy = Changing([], measure_every_n_steps=2, census_every_n_steps=0)
+    compiler = TorchCompile(modules=["blocks.*"], backend="eager")
+    trainer(tmp_path, [policy, compiler], max_steps=4).fit(model, make_loader(n=48))
+    assert compiler.watch.frames > 0 and compiler.error is None and policy.table["pointwise"] == "bf16"
+    assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]  # the residual add, per step
