@@ -253,3 +253,27 @@ def test_a_lowered_run_that_fails_is_that_rows_failure_and_fp32():
     assert len(failed) == 1 and "no kernel for this" in failed[0].failed and failed[0].speed is not None
     assert decide(table)[failed[0].op_class].dtype == "fp32"
     assert all(r.grad_cosine is not None for r in table if not r.failed)
+
+
+class WrittenInBf16(Probe):
+    """User code that runs one GEMM in bf16 on purpose."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen["explicit"] = (x.bfloat16() @ self.body.weight.T.bfloat16()).dtype
+        return super().training_step(batch, batch_idx)
+
+
+def test_auto_with_nothing_to_lower_stands_aside_and_the_model_runs_as_written(tmp_path):
+    model = WrittenInBf16()
+    auto = Injected([_row("matmul", speed=2.0), _row("norm", speed=1.5)], census_every_n_steps=3)
+    trainer(tmp_path, [auto], max_steps=2).fit(model, make_loader())
+    assert set(auto.table[c] for c in auto.decisions) == {"fp32"} and auto._standing_aside
+    assert model.seen["explicit"] == torch.bfloat16  # not upcast: the policy found nothing worth lowering
+    assert auto.census == {}  # it ran nothing, so it counts nothing (census steps included)
+    assert any("stands aside" in line for line in auto.summary_lines())
+    _, texts = read_events(str(tmp_path))
+    assert "stands aside" in texts["opkit/precision/decision"][0][1]
+    fixed = PrecisionPolicy(rules={"matmul": "fp32"}, census_every_n_steps=0, check_speed=False)
+    trainer(tmp_path / "fixed", [fixed], max_steps=1).fit(model, make_loader())
+    assert model.seen["explicit"] == torch.float32  # explicit rules decide every op, user-made bf16 included
