@@ -119,6 +119,25 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
 
 
 @contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Inside, autocast is off on every device where it was on; on exit it is on again there.
+
+    Example:
+        >>> with torch.autocast("cpu"), autocast_off():
+        ...     torch.is_autocast_enabled("cpu")
+        False
+    """
+    devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    for d in devices:
+        torch.set_autocast_enabled(d, False)
+    try:
+        yield
+    finally:
+        for d in devices:
+            torch.set_autocast_enabled(d, True)
+
+
+@contextlib.contextmanager
 def autocast_off_in(module: nn.Module | None) -> Iterator[None]:
     """Inside, autocast is off while ``module`` runs its forward, and its 16-bit positional inputs become fp32.
 

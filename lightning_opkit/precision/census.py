@@ -11,11 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_opkit._replay import rng_state, set_rng_state
+from lightning_opkit._replay import autocast_off, rng_state, set_rng_state
 from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
-
-# Ops that draw random numbers: an fp32 recompute would draw again and change the run's random stream.
-_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
 
 # Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
 # temporary copy and the buffers would never change. They are cast for the op and the result is copied back.
@@ -30,12 +27,6 @@ UPDATED_ARGS: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {
 def _floats(out: Any) -> list[Tensor]:
     items = out if isinstance(out, (list, tuple)) else (out,)
     return [t for t in items if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
-
-
-def is_random(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` draws random numbers (dropout, bernoulli, rand...), by name."""
-    name = getattr(func, "__name__", "") or ""
-    return any(word in name for word in _RANDOM)
 
 
 def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict, rng: tuple[Tensor, Any]) -> Any:
@@ -55,20 +46,15 @@ def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict, rng: tup
         kwargs = {k: v.clone() if k in names and isinstance(v, Tensor) else v for k, v in kwargs.items()}
     args = tuple(cast(a, torch.float32) for a in args)
     kwargs = {k: cast(v, torch.float32) for k, v in kwargs.items()}
-    devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
-    for d in devices:
-        torch.set_autocast_enabled(d, False)
     after = rng_state()
     set_rng_state(rng)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_off():
             return func(*args, **kwargs)
     except Exception:  # an op that only exists for its low-precision inputs: no reference, no error figure
         return None
     finally:
         set_rng_state(after)
-        for d in devices:
-            torch.set_autocast_enabled(d, True)
 
 
 @dataclass
@@ -93,9 +79,6 @@ class Census:
 
     Everything accumulates in device tensors; :meth:`rows` reads them all with one host sync.
 
-    Args:
-        recompute: whether the caller passes fp32 references of 16-bit ops (error and underflow figures).
-
     Example:
         >>> census = Census()
         >>> x = torch.tensor([1.0, 1e-6, 3.0])
@@ -105,15 +88,14 @@ class Census:
         ('fp16', 1, 0.333)
     """
 
-    def __init__(self, recompute: bool = True) -> None:
-        self.recompute = recompute
+    def __init__(self) -> None:
         self.calls: dict[tuple[str, torch.dtype, bool], int] = {}
         self._sums: dict[tuple[str, torch.dtype, bool], Tensor] = {}  # [absmax, err², ref², underflow, numel]
         self._checked: set[tuple[str, torch.dtype, bool]] = set()
 
     def wants_reference(self, out: Any) -> bool:
         """Whether an fp32 recompute of the op that produced ``out`` would add anything (a 16-bit output)."""
-        return self.recompute and any(t.dtype in LOW for t in _floats(out))
+        return any(t.dtype in LOW for t in _floats(out))
 
     def record(self, cls: str, out: Any, override: bool, ref: Any = None) -> None:
         """Count one op's output; with ``ref`` (its fp32 recompute), also its error and underflow.

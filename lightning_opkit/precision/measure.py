@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import loss_of, preserved, quiet_logging
+from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging
 from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
@@ -182,18 +182,6 @@ def _stat(value: Any) -> Any:
     return value.clone().as_subclass(_Stat) if isinstance(value, Tensor) else value
 
 
-@contextlib.contextmanager
-def _autocast_off() -> Iterator[None]:
-    devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
-    for d in devices:
-        torch.set_autocast_enabled(d, False)
-    try:
-        yield
-    finally:
-        for d in devices:
-            torch.set_autocast_enabled(d, True)
-
-
 class _OpTimer:
     """One op at one input shape, timed forward + backward with its floating inputs cast to a dtype first."""
 
@@ -243,7 +231,7 @@ def _time_op(example: tuple, device: torch.device, dtypes: list[torch.dtype], re
     _, func, args, kwargs = example
     timer = _OpTimer(func, args, kwargs, device)
     samples: dict[torch.dtype, list[float]] = {d: [] for d in dtypes}
-    with _autocast_off(), torch.enable_grad():
+    with autocast_off(), torch.enable_grad():
         for d in dtypes:
             timer.once(d)  # warm-up: allocator, kernel selection, lazy init
         timer.inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(timer.once(dtypes[0]), 1e-7))))
@@ -359,7 +347,7 @@ def measure_precision(
     for module in model.modules():
         if isinstance(module, nn.RNNBase):
             hooks.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
-    with preserved(model) as reset, stance, quiet, _autocast_off(), contextlib.closing(_Closer(hooks)):
+    with preserved(model) as reset, stance, quiet, autocast_off(), contextlib.closing(_Closer(hooks)):
         log = _OpLog()
         ref_loss, ref_grads = run(log)
         reset()

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_opkit._modes import _SUSPENDED
 from lightning_opkit._replay import rng_state
 from lightning_opkit.opclass import function_info
-from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference, is_random
+from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
 from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
 
 
@@ -37,6 +37,8 @@ class ModeState:
 
 
 _INFO: dict[Any, tuple[str, bool]] = {}
+# Op names that draw random numbers (by name, as a ``TorchFunctionMode`` receives them)
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
 
 
 def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
@@ -52,7 +54,8 @@ def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
     except TypeError:
         return function_info(func)
     cls, inplace = function_info(func)
-    info = _INFO[func] = ("other" if is_random(func) else cls), inplace
+    random = any(word in (getattr(func, "__name__", "") or "") for word in _RANDOM)
+    info = _INFO[func] = ("other" if random else cls), inplace
     return info
 
 
@@ -100,7 +103,7 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **kwargs)
         stack = state.module_stack
         dtype = stack[-1] if stack else state.class_dtypes[cls]
-        given = (args, kwargs)
+        given_args, given_kwargs = args, kwargs  # what the caller passed: the census recomputes from it
         census = state.census
         rng = rng_state() if not compiling and census is not None else None  # census steps only
         if dtype is None or inplace or "out" in kwargs:
@@ -138,7 +141,7 @@ class PolicyMode(TorchFunctionMode):
             # Census steps only: the op again in fp32 on the inputs it was given, for its error and underflow.
             ref = None
             if not inplace and "out" not in kwargs and census.wants_reference(out):
-                ref = fp32_reference(func, *given, rng)
+                ref = fp32_reference(func, given_args, given_kwargs, rng)
             census.record(cls, out, bool(stack), ref)
         return out
 
