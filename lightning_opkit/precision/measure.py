@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging
+from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging, run_step
 from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
@@ -164,14 +164,6 @@ class _OpLog(TorchFunctionMode):
                 self.examples[key] = (cls, func, *keep)
             self.counts[key] = self.counts.get(key, 0) + 1
         return func(*args, **kwargs)
-
-
-class _Closer:
-    def __init__(self, patches: Patches) -> None:
-        self.patches = patches
-
-    def close(self) -> None:
-        self.patches.restore()
 
 
 class _Stat(Tensor):
@@ -327,7 +319,6 @@ def measure_precision(
             raise ValueError(f"measure_precision: unknown op classes {unknown}; valid classes are {list(GOVERNED)}")
     compute = loss_fn or _default_loss
     batch = move_data_to_device(batch_fn(), device)
-    params = [p for p in model.parameters() if p.requires_grad]
     fp32 = dict.fromkeys(GOVERNED, "fp32") | dict.fromkeys(NEVER_CAST, "keep")
     state = ModeState(fp32)
     mode = PolicyMode(state)
@@ -335,11 +326,13 @@ def measure_precision(
     quiet = quiet_logging(model) if isinstance(model, pl.LightningModule) else contextlib.nullcontext()
 
     def run(log: _OpLog | None = None) -> tuple[Tensor, list[Tensor | None]]:
-        with mode, log or contextlib.nullcontext(), torch.enable_grad():
-            loss = compute(model, batch)
-        if not (loss.requires_grad and params):  # a frozen model: the loss alone says what lowering costs
-            return loss.detach().float(), [None] * len(params)
-        return loss.detach().float(), list(torch.autograd.grad(loss, params, allow_unused=True))
+        def loss() -> Tensor:
+            with mode, log or contextlib.nullcontext():
+                return compute(model, batch)
+
+        value, grads = run_step(model, loss)  # a frozen model: no gradients, the loss alone says what lowering costs
+        assert value is not None
+        return value.float(), grads
 
     rows: list[Measurement] = []
     notes: list[str] = []
@@ -347,7 +340,8 @@ def measure_precision(
     for module in model.modules():
         if isinstance(module, nn.RNNBase):
             hooks.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
-    with preserved(model) as reset, stance, quiet, autocast_off(), contextlib.closing(_Closer(hooks)):
+    with contextlib.ExitStack() as cleanup, preserved(model) as reset, stance, quiet, autocast_off():
+        cleanup.callback(hooks.restore)
         log = _OpLog()
         ref_loss, ref_grads = run(log)
         reset()
@@ -381,7 +375,7 @@ def measure_precision(
                 try:
                     pairs = [_timed(device, k, log.examples[k], [torch.float32, dtype], reps) for k in chosen]
                 except Exception as err:  # the op has no kernel for this dtype on this device
-                    row.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    row.failed = _why(err)
                     continue
                 fp32_time = sum(t[torch.float32] * log.counts[k] for t, k in zip(pairs, chosen))
                 row.speed = sum(t[dtype] * log.counts[k] for t, k in zip(pairs, chosen)) / max(fp32_time, 1e-12)
@@ -392,7 +386,7 @@ def measure_precision(
                 try:
                     loss, grads = run()
                 except Exception as err:
-                    row.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    row.failed = _why(err)
                     continue
                 finally:
                     census, state.census = state.census, None
@@ -406,6 +400,11 @@ def measure_precision(
     if not rows:
         notes.append("the model ran no op of a governed class")
     return PrecisionMeasurements(rows, describe_device(device), float(ref_loss), time.perf_counter() - began, notes)
+
+
+def _why(err: Exception) -> str:
+    first = (str(err).splitlines() or [""])[0][:120]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def _loss_change(loss: Tensor, ref: Tensor) -> float:
