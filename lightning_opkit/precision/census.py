@@ -151,22 +151,25 @@ class Census:
         return rows
 
 
-def class_figures(rows: list[CensusRow]) -> dict[str, dict[str, float]]:
-    """Per op class: its calls, worst error and underflow, and least fp16 headroom over the census rows.
+def merge_rows(rows: list[CensusRow], by: Callable[[CensusRow], Any]) -> dict[Any, dict[str, Any]]:
+    """Census rows merged by a key: per op class, or per class and dtype.
 
-    Only 16-bit rows have the last three.
+    Calls are summed; the largest |output|, the worst error and underflow and the least fp16 headroom are kept
+    (``None`` where no row had one), and whether any row was decided by a module override.
 
     Args:
         rows: :meth:`Census.rows`.
+        by: the key to merge on, for example ``lambda r: r.op_class``.
     """
-    out: dict[str, dict[str, float]] = {}
-    for row in rows:
-        figures = out.setdefault(row.op_class, {"calls": 0})
-        figures["calls"] += row.calls
-        for name in ("rel_error", "underflow_frac"):
-            value = getattr(row, name)
+    out: dict[Any, dict[str, Any]] = {}
+    for r in rows:
+        entry = out.setdefault(by(r), {"calls": 0, "absmax": 0.0, "rel_error": None, "underflow_frac": None,
+                                       "headroom_bits": None, "override": False})
+        entry["calls"] += r.calls
+        entry["absmax"] = max(entry["absmax"], r.absmax)
+        entry["override"] = entry["override"] or r.override
+        for name, pick in (("rel_error", max), ("underflow_frac", max), ("headroom_bits", min)):
+            value = getattr(r, name)
             if value is not None:
-                figures[name] = max(figures.get(name, 0.0), value)
-        if row.headroom_bits is not None:
-            figures["headroom_bits"] = min(figures.get("headroom_bits", math.inf), row.headroom_bits)
+                entry[name] = value if entry[name] is None else pick(entry[name], value)
     return out

@@ -21,7 +21,7 @@ from lightning_opkit._replay import loss_of
 from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 from lightning_opkit.opclass import OP_CLASSES
-from lightning_opkit.precision.census import Census, CensusRow, class_figures
+from lightning_opkit.precision.census import Census, merge_rows
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, MIN_SPEEDUP, Decision, decide
 from lightning_opkit.precision.dtypes import (
     DTYPES,
@@ -434,7 +434,7 @@ class PrecisionPolicy(Callback):
         if census is None:
             return
         rows = census.rows()
-        self.census = _by_class_and_dtype(rows)
+        self.census = merge_rows(rows, lambda r: (r.op_class, r.dtype))
         step = trainer.global_step
         near = [r for r in rows if r.headroom_bits is not None and r.headroom_bits < _WARN_BITS]
         for r in near:
@@ -443,9 +443,10 @@ class PrecisionPolicy(Callback):
                            f" 'fp32' or 'bf16'.")
         if self._writer is None:
             return
-        for cls, figures in class_figures(rows).items():
-            for name, value in figures.items():
-                self._writer.scalar(f"opkit/precision/{cls}/{name}", value, step)
+        for cls, figures in merge_rows(rows, lambda r: r.op_class).items():
+            for name in ("calls", "rel_error", "underflow_frac", "headroom_bits"):
+                if figures[name] is not None:
+                    self._writer.scalar(f"opkit/precision/{cls}/{name}", figures[name], step)
         table = markdown_table(
             ["op class", "ran in", "decided by", "calls", "rel. error vs fp32", "underflow frac", "max abs output",
              "fp16 headroom bits"],
@@ -458,22 +459,6 @@ class PrecisionPolicy(Callback):
                                                            for r in near)
         self._writer.text("opkit/precision/census", table, step)
         self._writer.flush()
-
-
-def _by_class_and_dtype(rows: list[CensusRow]) -> dict[tuple[str, str], dict[str, Any]]:
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in rows:
-        entry = out.setdefault((r.op_class, r.dtype), {"calls": 0, "absmax": 0.0, "rel_error": None,
-                                                       "underflow_frac": None, "headroom_bits": None,
-                                                       "override": False})
-        entry["calls"] += r.calls
-        entry["absmax"] = max(entry["absmax"], r.absmax)
-        entry["override"] = entry["override"] or r.override
-        for name, pick in (("rel_error", max), ("underflow_frac", max), ("headroom_bits", min)):
-            value = getattr(r, name)
-            if value is not None:
-                entry[name] = value if entry[name] is None else pick(entry[name], value)
-    return out
 
 
 def _sci(value: float | None) -> str:
