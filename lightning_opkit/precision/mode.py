@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_opkit._modes import _SUSPENDED
 from lightning_opkit._replay import rng_state
-from lightning_opkit.opclass import function_info
+from lightning_opkit.opclass import OP_CLASSES, function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
 from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
 
@@ -37,6 +38,7 @@ class ModeState:
 
 
 _INFO: dict[Any, tuple[str, bool]] = {}
+_PASS = frozenset(NEVER_CAST)
 # Op names that draw random numbers (by name, as a ``TorchFunctionMode`` receives them)
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
 
@@ -95,13 +97,60 @@ class PolicyMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return self._governed(func, args, kwargs or {}, True)
+        # The eager hot path: every torch call of the step comes through here, so it does one dict lookup, reads the
+        # table, and casts with the cheapest call that does it (``to(dtype=...)`` parses fastest of the ``to`` forms).
+        try:
+            cls, inplace = _INFO[func]
+        except (KeyError, TypeError):
+            cls, inplace = policy_info(func)
+        if cls in _PASS or _SUSPENDED[0]:
+            return func(*args, **(kwargs or {}))
         state = self.state
-        compiling = torch.compiler.is_compiling()
+        if state.census is not None:
+            return self._governed(func, args, kwargs or {}, False)
+        stack = state.module_stack
+        dtype = stack[-1] if stack else state.class_dtypes[cls]
+        devices = state.autocast_devices
+        if devices and not torch.is_autocast_enabled(devices[0]):
+            if not stack:
+                return func(*args, **(kwargs or {}))  # the user turned autocast off here: their code runs as written
+            devices = ()  # off already (a replay's fp32 region inside an override): nothing to turn off and on
+        if dtype is None or inplace or (kwargs and "out" in kwargs):
+            return func(*args, **(kwargs or {}))
+        if func in UPDATED_ARGS:
+            return self._governed(func, args, kwargs or {}, False)
+        cast_args = []
+        for a in args:
+            if isinstance(a, Tensor):
+                if a.dtype != dtype and a.is_floating_point():
+                    a = a.to(dtype=dtype)
+            elif isinstance(a, (list, tuple)):
+                a = cast(a, dtype)
+            cast_args.append(a)
+        if kwargs:
+            kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+        else:
+            kwargs = {}
+        if not devices:
+            return func(*cast_args, **kwargs)
+        # The policy, not autocast, decides: autocast would recast the inputs just cast.
+        torch.set_autocast_enabled(devices[0], False)
+        try:
+            return func(*cast_args, **kwargs)
+        finally:
+            torch.set_autocast_enabled(devices[0], True)
+
+    def _governed(self, func: Callable[..., Any], args: tuple, kwargs: dict, compiling: bool) -> Any:
+        """The general path: traced under compile, and eagerly for census steps and ops that update their args."""
+        state = self.state
         cls, inplace = _traced_function_info(func)
         if cls in NEVER_CAST or _SUSPENDED[0]:
             return func(*args, **kwargs)
         stack = state.module_stack
+        if state.autocast_devices and not stack and not torch.is_autocast_enabled(state.autocast_devices[0]):
+            return func(*args, **kwargs)  # the user turned autocast off here: their code runs as written
         dtype = stack[-1] if stack else state.class_dtypes[cls]
         given_args, given_kwargs = args, kwargs  # what the caller passed: the census recomputes from it
         census = state.census
@@ -122,8 +171,6 @@ class PolicyMode(TorchFunctionMode):
                 with torch.autocast(state.autocast_devices[0], enabled=False):
                     out = func(*args, **kwargs)
             else:
-                # Same as the context manager above at a fraction of its Python cost, on every governed op; a region
-                # where the user turned autocast off stays off.
                 device = state.autocast_devices[0]
                 enabled = torch.is_autocast_enabled(device)
                 if enabled:
@@ -167,3 +214,21 @@ def keep_out_of_dynamo_frames() -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(PolicyMode.__torch_function__.__code__)
+
+
+@contextlib.contextmanager
+def fp32_inside(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, every op that ``module`` runs casts its floating inputs, its own weights included, to fp32.
+
+    For a replay with no :class:`PrecisionPolicy` attached (whose ``running_in`` does this): a module whose weights are
+    16-bit (``precision="16-true"``) cannot run in fp32 on fp32 inputs alone. Ops outside ``module`` run as written.
+    """
+    state = ModeState(dict.fromkeys(OP_CLASSES, "keep"))
+    handles = [module.register_forward_pre_hook(lambda m, a: state.module_stack.append(torch.float32)),
+               module.register_forward_hook(lambda m, a, o: state.module_stack.pop() and None, always_call=True)]
+    try:
+        with PolicyMode(state):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
