@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import preserved
+from lightning_opkit._replay import preserved, replaying_scope
 from lightning_opkit.opclass import classify_function, classify_module
 
 
@@ -213,7 +213,7 @@ def replay(
     recorder = Recorder(modules, params, forward=forward, backward=backward, module_backward=module_backward)
     loss: Tensor | None = None
     with preserved(model, rng=False), stance or contextlib.nullcontext(), recorder, recorder.ops, \
-            torch.enable_grad(), warnings.catch_warnings():
+            torch.enable_grad(), warnings.catch_warnings(), replaying_scope():
         # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
         warnings.simplefilter("ignore", UserWarning)
         loss = compute_loss()

@@ -13,11 +13,39 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
 from lightning_opkit._patch import Patches
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
+# A list, not a global int: read in place, and nested scopes count up and down.
+_REPLAYING = [0]
+
+
+def replaying() -> bool:
+    """Whether opkit is re-running the current training step right now, not training on it.
+
+    True inside PrecisionPolicy's measurement runs (``rules="auto"``) and NaNDetector's localization and cause
+    replays. Code in a ``training_step`` or a forward hook with side effects (counters, logging to files, queues) can
+    skip them there. Weights, buffers, metric states and the RNG are put back after every such run.
+
+    Example:
+        >>> from lightning_opkit import replaying
+        >>> replaying()
+        False
+    """
+    return _REPLAYING[0] > 0
+
+
+@contextlib.contextmanager
+def replaying_scope() -> Iterator[None]:
+    """Inside, :func:`replaying` is true (nests)."""
+    _REPLAYING[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAYING[0] -= 1
 
 
 def rng_state() -> tuple[Tensor, Any]:
@@ -110,7 +138,8 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
         The detached loss (``None`` if the step returned none) and one gradient (or ``None``) per trainable parameter.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    with preserved(model, rng=False), torch.compiler.set_stance("force_eager"), torch.enable_grad():
+    with preserved(model, rng=False), torch.compiler.set_stance("force_eager"), torch.enable_grad(), \
+            replaying_scope():
         loss = compute_loss()
         grads: list[Tensor | None] = [None] * len(params)
         if backward and loss is not None and loss.requires_grad and params:
@@ -139,18 +168,23 @@ def autocast_off() -> Iterator[None]:
 
 @contextlib.contextmanager
 def autocast_off_in(module: nn.Module | None) -> Iterator[None]:
-    """Inside, autocast is off while ``module`` runs its forward, and its 16-bit positional inputs become fp32.
+    """Inside, ``module`` runs its forward in fp32 with autocast off; its outputs go on in its inputs' dtype.
 
+    Its 16-bit positional inputs become fp32 and its floating outputs are cast back to that 16-bit dtype.
+    The outputs are cast back because the modules after it expect that dtype: under ``precision="16-true"`` their
+    fp16 weights refuse an fp32 input. A forward hook registered with ``prepend=True`` sees the fp32 outputs.
     ``None`` does nothing: for the whole step, the caller runs it without its precision plugin's autocast.
     """
     if module is None:
         yield
         return
-    saved: list[list[tuple[str, bool]]] = []
+    saved: list[tuple[list[tuple[str, bool]], torch.dtype | None]] = []
 
     def enter(mod: nn.Module, args: Any) -> Any:
         states = [(d, torch.is_autocast_enabled(d)) for d in ("cuda", "cpu")]
-        saved.append(states)
+        low = next((a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point()
+                    and a.element_size() < 4), None)
+        saved.append((states, low))
         for d, on in states:
             if on:
                 torch.set_autocast_enabled(d, False)
@@ -158,11 +192,16 @@ def autocast_off_in(module: nn.Module | None) -> Iterator[None]:
         return tuple(a.float() if isinstance(a, Tensor) and a.is_floating_point() and a.element_size() < 4 else a
                      for a in args)
 
-    def leave(mod: nn.Module, args: Any, output: Any) -> None:
-        if saved:
-            for d, on in saved.pop():
-                if on:
-                    torch.set_autocast_enabled(d, True)
+    def leave(mod: nn.Module, args: Any, output: Any) -> Any:
+        if not saved:
+            return None
+        states, low = saved.pop()
+        for d, on in states:
+            if on:
+                torch.set_autocast_enabled(d, True)
+        if low is None:
+            return None
+        return tree_map(lambda t: t.to(low) if isinstance(t, Tensor) and t.is_floating_point() else t, output)
 
     patches = Patches()
     patches.hold(module.register_forward_pre_hook(enter, prepend=True))

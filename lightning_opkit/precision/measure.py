@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging, run_step
+from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging, replaying_scope, run_step
 from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
@@ -138,7 +138,7 @@ def speed_phrase(row: Measurement) -> str:
     return f"{1 / row.speed:.2f}x faster" if row.speed < 1 else f"{row.speed:.2f}x slower"
 
 
-class _OpLog(TorchFunctionMode):
+class OpLog(TorchFunctionMode):
     """Records one example call per (op, input shapes) of each governed class, and how often it ran."""
 
     def __init__(self) -> None:
@@ -271,6 +271,178 @@ def _usable_dtypes(device: torch.device) -> list[str]:
     return ["bf16", "fp16"] if device.type == "cuda" else ["bf16"]
 
 
+FP32_TABLE: dict[str, str] = dict.fromkeys(GOVERNED, "fp32") | dict.fromkeys(NEVER_CAST, "keep")
+
+
+class StepRunner:
+    """Runs a model's loss and gradients on one batch under a class table (or under autocast), leaving no trace.
+
+    Use it inside :meth:`session`, which keeps the model's buffers, metric states and RNG as they were, runs eagerly
+    (compiled code is not re-traced for each table) and silences ``LightningModule.log``.
+
+    Args:
+        model: the model, on its device.
+        batch: the batch, on that device.
+        loss_fn: ``(model, batch) -> scalar loss``.
+    """
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Tensor]) -> None:
+        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+        self.state = ModeState(FP32_TABLE)
+        self.mode = PolicyMode(self.state)
+        self._reset: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Inside, :meth:`run` may be called any number of times; on exit the model is as it was."""
+        model = self.model
+        hooks = Patches()
+        for module in model.modules():
+            if isinstance(module, nn.RNNBase):
+                hooks.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
+        quiet = quiet_logging(model) if isinstance(model, pl.LightningModule) else contextlib.nullcontext()
+        with contextlib.ExitStack() as cleanup, preserved(model) as reset, torch.compiler.set_stance("force_eager"), \
+                quiet, autocast_off(), replaying_scope():
+            cleanup.callback(hooks.restore)
+            self._reset = reset
+            try:
+                yield
+            finally:
+                self._reset = None
+
+    def run(self, table: dict[str, str] | None = None, log: TorchFunctionMode | None = None,
+            census: Census | None = None, autocast: torch.dtype | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        """The fp32 loss and the gradients of one run; buffers and RNG put back after.
+
+        It runs under ``table`` (``None``: every class fp32), or, with ``autocast``, under plain ``torch.autocast`` in
+        that dtype and no policy.
+
+        Args:
+            table: op class -> dtype name.
+            log: a mode that records the ops (innermost: it sees what the model called, before any cast).
+            census: records what ran in which dtype and its error against fp32 recomputes.
+            autocast: run under autocast in this dtype instead of a table (what ``bf16-mixed`` does).
+        """
+        assert self._reset is not None, "StepRunner.run outside session()"
+        self._reset()  # the same RNG, buffers and metric states as every other run: only the dtypes differ
+        self.state.set_table(FP32_TABLE if table is None else FP32_TABLE | table)
+        self.state.census = census
+
+        def loss() -> Tensor:
+            if autocast is not None:
+                with torch.autocast(_device_of(self.model).type, dtype=autocast):
+                    return self.loss_fn(self.model, self.batch)
+            with self.mode, log or contextlib.nullcontext():
+                return self.loss_fn(self.model, self.batch)
+
+        try:
+            value, grads = run_step(self.model, loss)  # a frozen model: no gradients, the loss alone says it
+        finally:
+            self.state.census = None
+            self.state.set_table(FP32_TABLE)
+            self._reset()
+        assert value is not None
+        return value.float(), grads
+
+
+def record_ops(runner: StepRunner) -> tuple[OpLog, Tensor, list[Tensor | None]]:
+    """Run the step once in fp32, recording each governed op's shapes and calls; returns the log and the fp32 run."""
+    log = OpLog()
+    loss, grads = runner.run(log=log)
+    return log, loss, grads
+
+
+def _pick_shapes(log: OpLog, keys: list[tuple[Any, ...]], base: dict[tuple[Any, ...], float]) -> list[tuple]:
+    """Of one class's op shapes, the costliest that make up ``_COVER`` of its fp32 time (at most ``_MAX_SHAPES``)."""
+    weight = {k: base[k] * log.counts[k] for k in keys}
+    total = sum(weight.values())
+    chosen: list[tuple[Any, ...]] = []
+    for k in sorted(keys, key=weight.__getitem__, reverse=True):
+        if len(chosen) == _MAX_SHAPES or sum(weight[c] for c in chosen) >= _COVER * total:
+            break
+        chosen.append(k)
+    return chosen
+
+
+def time_classes(log: OpLog, device: torch.device, names: Sequence[str], classes: Sequence[str] | None = None,
+                 reps: int = 5, notes: list[str] | None = None) -> list[Measurement]:
+    """Speed of each recorded class in each dtype of ``names`` against fp32, at the recorded shapes (no model run).
+
+    Args:
+        log: the ops a step ran (:func:`record_ops`, or an ``OpLog`` entered around a real step).
+        device: where to time.
+        names: the 16-bit dtype names.
+        classes: the classes to time; ``None`` = every class in the log.
+        reps: timed repetitions per op shape (the median is kept).
+        notes: where to say which ops could not be timed.
+    """
+    notes = notes if notes is not None else []
+    by_class: dict[str, list[tuple[Any, ...]]] = {}
+    for key, (cls, *_) in log.examples.items():
+        if classes is None or cls in classes:
+            by_class.setdefault(cls, []).append(key)
+    rows: list[Measurement] = []
+    for cls in sorted(by_class, key=OP_CLASSES.index):
+        base = {}
+        for k in by_class[cls]:
+            try:  # a quick fp32 estimate per shape, to find where the class's time goes
+                base[k] = _timed(device, k, log.examples[k], [torch.float32], 1)[torch.float32]
+            except Exception as err:  # an op that cannot be run alone (unusual arguments): left out of timing
+                notes.append(f"{cls}: {getattr(k[0], '__name__', k[0])} not timed ({type(err).__name__})")
+        keys = list(base)
+        if not keys:
+            continue
+        total = sum(base[k] * log.counts[k] for k in keys)
+        chosen = _pick_shapes(log, keys, base)
+        calls = sum(log.counts[k] for k in keys)
+        for name in names:
+            row = Measurement(cls, name, fp32_ms=total * 1e3, calls=calls)
+            rows.append(row)
+            dtype = DTYPES[name]
+            assert dtype is not None
+            try:
+                pairs = [_timed(device, k, log.examples[k], [torch.float32, dtype], reps) for k in chosen]
+            except Exception as err:  # the op has no kernel for this dtype on this device
+                row.failed = _why(err)
+                continue
+            fp32_time = sum(t[torch.float32] * log.counts[k] for t, k in zip(pairs, chosen))
+            row.speed = sum(t[dtype] * log.counts[k] for t, k in zip(pairs, chosen)) / max(fp32_time, 1e-12)
+    return rows
+
+
+def class_errors(runner: StepRunner, row: Measurement, ref_loss: Tensor, ref_grads: list[Tensor | None]) -> None:
+    """Fill ``row``'s errors: the step with its class alone in its dtype, against the fp32 run."""
+    census = Census()
+    try:
+        loss, grads = runner.run({row.op_class: row.dtype}, census=census)
+    except Exception as err:
+        row.failed = _why(err)
+        return
+    errs = [r.rel_error for r in census.rows()
+            if r.op_class == row.op_class and r.dtype == row.dtype and r.rel_error is not None]
+    row.rel_error = max(errs) if errs else None
+    row.loss_change = loss_change(loss, ref_loss)
+    row.grad_cosine = grad_cosine(grads, ref_grads)
+
+
+def check_arguments(model: nn.Module, device: torch.device | str | None, dtypes: Sequence[str] | None,
+                    classes: Sequence[str] | None) -> tuple[torch.device, list[str]]:
+    """The device and dtype names to measure with; ``ValueError`` naming what is wrong otherwise."""
+    here = _device_of(model)
+    device = torch.device(device) if device is not None else here
+    if device.type != here.type or (device.index is not None and here.index is not None and device != here):
+        raise ValueError(f"measure_precision: the model is on {here}, not on device={device}; move it there first")
+    names = list(dtypes) if dtypes is not None else _usable_dtypes(device)
+    for name in names:
+        if name not in ("bf16", "fp16"):
+            raise ValueError(f"measure_precision: `dtypes` may hold 'bf16' and 'fp16', but got {name!r}")
+    if classes is not None:
+        unknown = [c for c in classes if c not in GOVERNED]
+        if unknown:
+            raise ValueError(f"measure_precision: unknown op classes {unknown}; valid classes are {list(GOVERNED)}")
+    return device, names
+
+
 def measure_precision(
     model: nn.Module,
     batch_fn: Callable[[], Any],
@@ -305,98 +477,16 @@ def measure_precision(
         True
     """
     began = time.perf_counter()
-    here = _device_of(model)
-    device = torch.device(device) if device is not None else here
-    if device.type != here.type or (device.index is not None and here.index is not None and device != here):
-        raise ValueError(f"measure_precision: the model is on {here}, not on device={device}; move it there first")
-    names = list(dtypes) if dtypes is not None else _usable_dtypes(device)
-    for name in names:
-        if name not in ("bf16", "fp16"):
-            raise ValueError(f"measure_precision: `dtypes` may hold 'bf16' and 'fp16', but got {name!r}")
-    if classes is not None:
-        unknown = [c for c in classes if c not in GOVERNED]
-        if unknown:
-            raise ValueError(f"measure_precision: unknown op classes {unknown}; valid classes are {list(GOVERNED)}")
-    compute = loss_fn or _default_loss
-    batch = move_data_to_device(batch_fn(), device)
-    fp32 = dict.fromkeys(GOVERNED, "fp32") | dict.fromkeys(NEVER_CAST, "keep")
-    state = ModeState(fp32)
-    mode = PolicyMode(state)
-    stance = torch.compiler.set_stance("force_eager")
-    quiet = quiet_logging(model) if isinstance(model, pl.LightningModule) else contextlib.nullcontext()
-
-    def run(log: _OpLog | None = None) -> tuple[Tensor, list[Tensor | None]]:
-        def loss() -> Tensor:
-            with mode, log or contextlib.nullcontext():
-                return compute(model, batch)
-
-        value, grads = run_step(model, loss)  # a frozen model: no gradients, the loss alone says what lowering costs
-        assert value is not None
-        return value.float(), grads
-
-    rows: list[Measurement] = []
+    device, names = check_arguments(model, device, dtypes, classes)
+    runner = StepRunner(model, move_data_to_device(batch_fn(), device), loss_fn or _default_loss)
     notes: list[str] = []
-    hooks = Patches()
-    for module in model.modules():
-        if isinstance(module, nn.RNNBase):
-            hooks.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
-    with contextlib.ExitStack() as cleanup, preserved(model) as reset, stance, quiet, autocast_off():
-        cleanup.callback(hooks.restore)
-        log = _OpLog()
-        ref_loss, ref_grads = run(log)
-        reset()
-        by_class: dict[str, list[tuple[Any, ...]]] = {}
-        for key, (cls, *_) in log.examples.items():
-            if classes is None or cls in classes:
-                by_class.setdefault(cls, []).append(key)
-        for cls in sorted(by_class, key=OP_CLASSES.index):
-            base = {}
-            for k in by_class[cls]:
-                try:  # a quick fp32 estimate per shape, to find where the class's time goes
-                    base[k] = _timed(device, k, log.examples[k], [torch.float32], 1)[torch.float32]
-                except Exception as err:  # an op that cannot be run alone (unusual arguments): left out of timing
-                    notes.append(f"{cls}: {getattr(k[0], '__name__', k[0])} not timed ({type(err).__name__})")
-            keys = list(base)
-            if not keys:
-                continue
-            weight = {k: base[k] * log.counts[k] for k in keys}
-            total = sum(weight.values())
-            chosen: list[tuple[Any, ...]] = []
-            for k in sorted(keys, key=weight.__getitem__, reverse=True):
-                if len(chosen) == _MAX_SHAPES or sum(weight[c] for c in chosen) >= _COVER * total:
-                    break
-                chosen.append(k)
-            calls = sum(log.counts[k] for k in keys)
-            for name in names:
-                row = Measurement(cls, name, fp32_ms=total * 1e3, calls=calls)
-                rows.append(row)
-                dtype = DTYPES[name]
-                assert dtype is not None
-                try:
-                    pairs = [_timed(device, k, log.examples[k], [torch.float32, dtype], reps) for k in chosen]
-                except Exception as err:  # the op has no kernel for this dtype on this device
-                    row.failed = _why(err)
-                    continue
-                fp32_time = sum(t[torch.float32] * log.counts[k] for t, k in zip(pairs, chosen))
-                row.speed = sum(t[dtype] * log.counts[k] for t, k in zip(pairs, chosen)) / max(fp32_time, 1e-12)
-                if not errors:
-                    continue
-                state.set_table(fp32 | {cls: name})
-                state.census = Census()
-                try:
-                    loss, grads = run()
-                except Exception as err:
-                    row.failed = _why(err)
-                    continue
-                finally:
-                    census, state.census = state.census, None
-                    state.set_table(fp32)
-                    reset()
-                errs = [r.rel_error for r in census.rows()
-                        if r.op_class == cls and r.dtype == name and r.rel_error is not None]
-                row.rel_error = max(errs) if errs else None
-                row.loss_change = _loss_change(loss, ref_loss)
-                row.grad_cosine = _cosine(grads, ref_grads)
+    with runner.session():
+        log, ref_loss, ref_grads = record_ops(runner)
+        rows = time_classes(log, device, names, classes, reps, notes)
+        if errors:
+            for row in rows:
+                if row.failed is None:
+                    class_errors(runner, row, ref_loss, ref_grads)
     if not rows:
         notes.append("the model ran no op of a governed class")
     return PrecisionMeasurements(rows, describe_device(device), float(ref_loss), time.perf_counter() - began, notes)
@@ -407,14 +497,16 @@ def _why(err: Exception) -> str:
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
-def _loss_change(loss: Tensor, ref: Tensor) -> float:
+def loss_change(loss: Tensor, ref: Tensor) -> float:
+    """``|loss - ref| / |ref|`` (``inf`` if either is not finite)."""
     a, b = float(loss), float(ref)
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _cosine(grads: list[Tensor | None], ref: list[Tensor | None]) -> float | None:
+def grad_cosine(grads: list[Tensor | None], ref: list[Tensor | None]) -> float | None:
+    """Cosine similarity of all gradients to ``ref`` as one vector (``None`` without gradients, -1 if not finite)."""
     pairs = [(g.float(), r.float()) for g, r in zip(grads, ref) if g is not None and r is not None]
     if not pairs:
         return None
