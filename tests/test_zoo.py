@@ -60,9 +60,9 @@ def _policy_run(tmp_path, name, backend):
     model = build(name)
     case = model.case
     seen = _dtype_recorder(model, [case.gemm, case.norm, case.override])
-    # check_speed off: its measurement runs the step in fp32 too, which the dtype hooks here would record
+    # check_speed on (the default): it times the ops the first step ran, so the dtype hooks see each step once
     policy = PrecisionPolicy(rules={"rnn": "bf16"}, modules={"model." + case.override: "fp32"},
-                             census_every_n_steps=0, check_speed=False)
+                             census_every_n_steps=0)
     callbacks = [policy]
     if backend is not None:
         callbacks.append(TorchCompile(modules=["model." + case.blocks], backend=backend))
@@ -127,7 +127,8 @@ def test_all_four_together(tmp_path, name):
     assert compiler.watch.frames > 0 and compiler.error is None
     assert [(e["step"], e["phase"], e["module"]) for e in detector.events] == [(3, "forward", "model." + case.deep)]
     assert not same_state(probe.before[3], probe.after[3])
-    assert windows.windows_done == 2 and ("matmul", "bf16") in policy.census or ("conv", "bf16") in policy.census
+    assert windows.windows_done == 2
+    assert ("matmul", "bf16") in policy.census or ("conv", "bf16") in policy.census
     ckpt = os.path.join(tmp_path, "zoo.ckpt")
     t.save_checkpoint(ckpt)
     keys = list(torch.load(ckpt, weights_only=False)["state_dict"])
@@ -143,15 +144,21 @@ def test_auto_precision_measures_decides_and_leaves_no_trace(tmp_path, name):
     before = snapshot(model)
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=1)
     trainer(tmp_path, [policy], max_steps=2).fit(model, model.loader())
-    measured = policy.measurements
+    measured, choice = policy.measurements, policy.choice
     assert {"matmul", "conv", "rnn"} & set(measured.classes) and "loss" in measured.classes
-    for row in measured:  # every class the model ran was timed and lowered alone, or says why not
+    for row in measured:  # every class the model ran was timed, or says why not
         assert row.failed is None, row
         assert row.speed > 0 and row.fp32_ms > 0 and row.calls > 0, row
-        assert row.loss_change < 0.05 and 0.95 < row.grad_cosine <= 1 + 1e-6, row
-    assert set(policy.decisions) == set(measured.classes)
-    assert all(policy.table[c] == d.dtype for c, d in policy.decisions.items())
+    ran = [r for r in choice.runs if r.ms is not None]
+    assert ran[0].name == "fp32" and choice.autocast.ms is not None  # and bf16-mixed beside it, always
+    assert all(r in ran or "predicted" in r.skipped for r in choice.runs)  # a table left out says why
+    for run in [*ran, choice.autocast]:  # each table's error measured as a whole against fp32
+        assert run.ms > 0 and run.loss_change < 0.05 and 0.95 < run.grad_cosine <= 1 + 1e-6, run
+    assert choice.best.within(policy.tolerance)
+    assert set(policy.decisions) == set(measured.classes) == set(choice.best.table)
+    assert all(policy.table[c] == d.dtype == choice.best.table[c] for c, d in policy.decisions.items())
     assert all(math.isfinite(v) for v in model.trainer.callback_metrics.values())
     _, texts = read_events(str(tmp_path))
-    assert "| loss | bf16 |" in texts["opkit/precision/sensitivity"][0][1]
+    sensitivity = texts["opkit/precision/sensitivity"][0][1]
+    assert "| loss | bf16 |" in sensitivity and "| bf16-mixed (autocast) |" in sensitivity
     assert snapshot(model) == before  # hooks and patches gone

@@ -28,7 +28,8 @@ class Decision:
     reason: str
 
 
-def _verdict(row: Measurement, tolerance: float, min_speedup: float, total_ms: float) -> str | None:
+def _verdict(row: Measurement, tolerance: float, min_speedup: float, total_ms: float,
+             require_errors: bool = True) -> str | None:
     """Why ``row``'s dtype cannot be chosen, or ``None`` if it can."""
     if row.failed:
         return f"{row.dtype} failed ({row.failed})"
@@ -41,7 +42,7 @@ def _verdict(row: Measurement, tolerance: float, min_speedup: float, total_ms: f
         return (f"{row.dtype} is {speed_phrase(row)} but would save {saved:.3f} of {total_ms:.2f} ms per step"
                 f" (< {MIN_SAVING:.0%})")
     if row.loss_change is None or row.grad_cosine is None:
-        return f"{row.dtype} error not measured"
+        return f"{row.dtype} error not measured" if require_errors else None
     if row.loss_change > tolerance:
         return f"{row.dtype} changes the loss by {row.loss_change:.2e} > tolerance {tolerance:g}"
     if 1 - row.grad_cosine > tolerance:
@@ -54,6 +55,7 @@ def decide(
     tolerance: float = DEFAULT_TOLERANCE,
     dtypes: Sequence[str] = ("bf16", "fp16"),
     min_speedup: float = MIN_SPEEDUP,
+    require_errors: bool = True,
 ) -> dict[str, Decision]:
     """Choose per measured op class the fastest of ``dtypes`` that is fast and accurate enough, else fp32.
 
@@ -65,6 +67,8 @@ def decide(
         tolerance: the largest relative loss change and the largest ``1 - grad cosine`` allowed.
         dtypes: the candidate dtypes (fp16 only where loss scaling is on).
         min_speedup: how much faster than fp32 a candidate must be.
+        require_errors: refuse a dtype whose error was not measured; ``False``: judge speed alone where no error
+            was measured (the whole-step tables are then judged on error as a whole).
 
     Example:
         >>> rows = [Measurement("matmul", "bf16", speed=11.2, loss_change=1e-3, grad_cosine=0.9999),
@@ -80,12 +84,13 @@ def decide(
     decisions: dict[str, Decision] = {}
     for cls in sorted(by_class, key=lambda c: OP_CLASSES.index(c) if c in OP_CLASSES else len(OP_CLASSES)):
         rows = [r for r in by_class[cls] if r.dtype in dtypes]
-        refused = {r.dtype: _verdict(r, tolerance, min_speedup, total_ms) for r in rows}
+        refused = {r.dtype: _verdict(r, tolerance, min_speedup, total_ms, require_errors) for r in rows}
         good = [r for r in rows if refused[r.dtype] is None]
         if good:
             best = min(good, key=lambda r: r.speed)  # type: ignore[arg-type, return-value]
-            reason = (f"{speed_phrase(best)} than fp32, loss change {best.loss_change:.2e},"
-                      f" grad cosine {best.grad_cosine:.5f}")
+            reason = f"{speed_phrase(best)} than fp32"
+            if best.loss_change is not None and best.grad_cosine is not None:
+                reason += f", loss change {best.loss_change:.2e}, grad cosine {best.grad_cosine:.5f}"
             others = [text for d, text in refused.items() if text is not None]
             decisions[cls] = Decision(cls, best.dtype, reason + (f"; not {'; '.join(others)}" if others else ""))
         else:

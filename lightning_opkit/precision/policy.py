@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
 
@@ -21,6 +22,7 @@ from lightning_opkit._replay import loss_of
 from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
 from lightning_opkit.precision.census import Census, merge_rows
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, MIN_SPEEDUP, Decision, decide
 from lightning_opkit.precision.dtypes import (
@@ -32,7 +34,15 @@ from lightning_opkit.precision.dtypes import (
     describe_device,
     hardware_note,
 )
-from lightning_opkit.precision.measure import PrecisionMeasurements, measure_precision, speed_phrase
+from lightning_opkit.precision.measure import (
+    Measurement,
+    OpLog,
+    PrecisionMeasurements,
+    StepRunner,
+    measure_precision,
+    speed_phrase,
+    time_classes,
+)
 from lightning_opkit.precision.mode import ModeState, PolicyMode, keep_out_of_dynamo_frames, match_weight_dtype
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
@@ -73,8 +83,12 @@ class PrecisionPolicy(Callback):
             gradients that lowering one class may cause.
         measure_every_n_steps: with ``rules="auto"``, measure and decide again every this many steps; 0 = once, at the
             first training batch of each fit.
-        check_speed: with explicit rules, time each class set to a 16-bit dtype at the first training batch and warn
-            once if it is slower than fp32 on this device.
+        check_speed: with explicit rules, time each class set to a 16-bit dtype at the ops and shapes the first
+            training step ran (after it, without running the model again) and warn once if it is slower than fp32.
+        whole_step: with ``rules="auto"``, confirm the choice on the whole step: run a few candidate tables (all-fp32,
+            GEMMs in 16-bit with the rest ``keep``, the per-class pick, the pick with ``keep``) on the first rows of
+            the batch, and train with the fastest within ``tolerance`` as a whole (loss change, gradient cosine);
+            ``False``: each class alone, as timed op by op and lowered alone.
 
     Example:
         >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, modules={"head": "fp32"})
@@ -90,6 +104,7 @@ class PrecisionPolicy(Callback):
         tolerance: float = DEFAULT_TOLERANCE,
         measure_every_n_steps: int = 0,
         check_speed: bool = True,
+        whole_step: bool = True,
     ) -> None:
         valid = list(DTYPES)
         governed = list(GOVERNED)
@@ -115,7 +130,7 @@ class PrecisionPolicy(Callback):
                 raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
         check_int("census_every_n_steps", census_every_n_steps, 0)
         check_int("measure_every_n_steps", measure_every_n_steps, 0)
-        check_bools(check_speed=check_speed)
+        check_bools(check_speed=check_speed, whole_step=whole_step)
         check_fraction("tolerance", tolerance, "relative loss change and 1 - gradient cosine")
         self.rules: str | dict[str, str] | None = "auto" if auto else (dict(rules) if rules is not None else None)
         self.default = default
@@ -124,6 +139,7 @@ class PrecisionPolicy(Callback):
         self.tolerance = float(tolerance)
         self.measure_every_n_steps = measure_every_n_steps
         self.check_speed = check_speed
+        self.whole_step = whole_step
         if auto:
             table = dict.fromkeys(GOVERNED, "fp32")  # until measured
         else:
@@ -138,9 +154,13 @@ class PrecisionPolicy(Callback):
         self.measurements: PrecisionMeasurements | None = None
         #: with ``rules="auto"``: op class -> the decision and its evidence
         self.decisions: dict[str, Decision] = {}
+        #: with ``rules="auto"`` and ``whole_step``: the candidate tables, their times and errors, and the one chosen
+        self.choice: StepChoice | None = None
 
         self._state = ModeState(table)
         self._census_done: Census | None = None  # recorded this batch, logged at its end
+        self._speed_log: OpLog | None = None  # to record the next training step's ops (the speed check)
+        self._speed_recorded: OpLog | None = None  # what it recorded, timed at the batch's end
         self._census_step = False
         self._measured_at: int | None = None
         self._mode = PolicyMode(self._state)
@@ -266,8 +286,12 @@ class PrecisionPolicy(Callback):
                 by_dtype.setdefault(self.table[cls], []).append(cls)
         head = "precision policy"
         if self.auto and self.measurements is not None:
-            head += f" (auto, measured in {self.measurements.seconds:.1f} s on {self.measurements.device})"
-        lines = [head + ": " + "; ".join(f"{', '.join(v)} in {k}" for k, v in by_dtype.items())]
+            seconds = self.measurements.seconds + (self.choice.seconds if self.choice is not None else 0.0)
+            head += f" (auto, measured in {seconds:.1f} s on {self.measurements.device})"
+        lines = [head + ": " + "; ".join(f"{', '.join(v)} {'keep' if k == 'keep' else 'in ' + k}"
+                                         for k, v in by_dtype.items())]
+        if self.choice is not None:
+            lines.append(f"  {self.choice.comparison()}")
         if self.modules:
             lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in self.modules.items()))
         if self._standing_aside:
@@ -279,6 +303,7 @@ class PrecisionPolicy(Callback):
         self._originals.clear()
         self._state.module_stack.clear()
         self._state.census = self._census_done = None
+        self._speed_log = self._speed_recorded = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -304,19 +329,26 @@ class PrecisionPolicy(Callback):
                 self._census_step = False  # the policy runs nothing: nothing to count either
                 return step(*args, **kwargs)
             census = None
+            log = None
+            if is_training and self._speed_log is not None:
+                log, self._speed_log = self._speed_log, None  # this step's own run only, not a NaN replay of it
             if is_training and self._census_step:
                 # Only the batch's own step is counted, not a NaNDetector replay of it.
                 self._census_step = False
                 census = state.census = Census()
             # A census step runs eagerly even where TorchCompile compiled the model, so every op is counted;
             # only census steps pay for that.
-            eager = torch.compiler.set_stance("force_eager") if census is not None else contextlib.nullcontext()
+            # The recording step of the speed check runs eagerly too: its log sees each op as the model called it.
+            eager = (torch.compiler.set_stance("force_eager") if census is not None or log is not None
+                     else contextlib.nullcontext())
             try:
-                with eager, self._mode:
+                with eager, self._mode, log or contextlib.nullcontext():
                     return step(*args, **kwargs)
             finally:
                 if census is not None:
                     state.census, self._census_done = None, census
+                if log is not None:
+                    self._speed_recorded = log
 
         return run_step
 
@@ -336,15 +368,10 @@ class PrecisionPolicy(Callback):
             self._measure_and_decide(trainer, pl_module, batch, batch_idx)
         elif not self.auto and self.check_speed and self._measured_at is None:
             self._measured_at = step
-            self._check_speed(trainer, pl_module, batch, batch_idx)
+            if any(self.table[c] in ("bf16", "fp16") for c in GOVERNED):
+                self._speed_log = OpLog()  # filled by this batch's own training step, timed at its end
 
-    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-                 **kwargs: Any) -> PrecisionMeasurements | None:
-        if not pl_module.automatic_optimization:
-            # Its training_step steps the optimizers itself: running it again would train on the batch again.
-            rank_zero_warn("PrecisionPolicy cannot measure a model with manual optimization (its training_step steps"
-                           " the optimizers); the policy keeps its table.")
-            return None
+    def _loss_fn(self, batch_idx: int) -> Callable[[torch.nn.Module, Any], Tensor]:
         step = self._originals["training_step"]
 
         def loss_fn(model: torch.nn.Module, b: Any) -> Tensor:
@@ -353,23 +380,68 @@ class PrecisionPolicy(Callback):
                 raise ValueError("training_step returned no loss")
             return loss
 
+        return loss_fn
+
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                 **kwargs: Any) -> PrecisionMeasurements | None:
+        if not pl_module.automatic_optimization:
+            # Its training_step steps the optimizers itself: running it again would train on the batch again.
+            rank_zero_warn("PrecisionPolicy cannot measure a model with manual optimization (its training_step steps"
+                           " the optimizers); the policy keeps its table.")
+            return None
         try:
-            return measure_precision(pl_module, lambda: batch, device=pl_module.device, loss_fn=loss_fn, **kwargs)
+            return measure_precision(pl_module, lambda: batch, device=pl_module.device,
+                                     loss_fn=self._loss_fn(batch_idx), **kwargs)
         except Exception as err:  # a measurement that fails must not end the training it was meant to speed up
             rank_zero_warn(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
                            f" keeps its table{' (every class in fp32)' if self.auto else ''}.")
+            return None
+
+    def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                rows: list[Measurement], per_class: dict[str, str], dtypes: list[str]) -> StepChoice | None:
+        """Run the whole-step candidates on the first rows of ``batch`` and choose one (``None`` if that fails)."""
+        low = per_class["matmul"] if per_class.get("matmul") in dtypes else dtypes[0]
+        tables = candidate_tables(per_class, sorted(per_class, key=OP_CLASSES.index), low)
+        sub, n = first_rows(batch)
+        runner = StepRunner(pl_module, sub, self._loss_fn(batch_idx))
+        try:
+            with runner.session():
+                return choose_table(runner, tables, rows, self.tolerance, n, low,
+                                    agree=lambda value: trainer.strategy.broadcast(value, src=0))
+        except Exception as err:
+            rank_zero_warn(f"PrecisionPolicy could not run the whole-step candidates ({type(err).__name__}: {err});"
+                           f" it keeps the per-class decisions.")
             return None
 
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                             batch_idx: int) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         dtypes = ["bf16", "fp16"] if scaler else ["bf16"]  # fp16 only where a GradScaler scales the loss
-        measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes)
-        decisions = decide(measurements, self.tolerance, dtypes) if measurements is not None else {}
-        # Every rank measured (a SyncBatchNorm's collectives need every rank in each forward); every rank runs what
+        if self.whole_step:
+            # Per-class timings on the rows the candidates run on: they only rank and prune the candidates, whose
+            # own runs decide; errors are measured per table, as a whole.
+            sub, _ = first_rows(batch)
+            measurements = self._measure(trainer, pl_module, sub, batch_idx, dtypes=dtypes, errors=False, reps=3)
+        else:
+            measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes)
+        decisions: dict[str, Decision] = {}
+        if measurements is not None:
+            decisions = decide(measurements, self.tolerance, dtypes, require_errors=not self.whole_step)
+        # Every rank measures (a SyncBatchNorm's collectives need every rank in each forward); every rank runs what
         # rank zero decided: the same numerics, the same compiled graphs.
         chosen = trainer.strategy.broadcast({c: (d.dtype, d.reason) for c, d in decisions.items()}, src=0)
+        choice = None
+        if self.whole_step and chosen:
+            # The candidates come from rank zero's per-class decisions, so every rank runs the same tables.
+            choice = self._choose(trainer, pl_module, batch, batch_idx, measurements.rows if measurements else [],
+                                  {c: d for c, (d, _) in chosen.items()}, dtypes)
+            choice = trainer.strategy.broadcast(choice, src=0)
+            if choice is not None:
+                best = choice.best
+                chosen = {c: (best.table[c], f"table '{best.name}' ({best.figures()}); per class:"
+                                             f" {chosen[c][1] if c in chosen else '-'}") for c in best.table}
         self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
+        self.choice = choice
         self.measurements = measurements
         table = dict(self.table)
         table.update(dict.fromkeys(GOVERNED, "fp32"))
@@ -382,33 +454,49 @@ class PrecisionPolicy(Callback):
                                 and all(t.dtype == torch.float32 for t in (*pl_module.parameters(),
                                                                            *pl_module.buffers())
                                         if t.is_floating_point()))
-        step = trainer.global_step
-        if self._writer is not None and measurements is not None:
-            self._writer.text("opkit/precision/sensitivity", measurements.table({c: d.dtype for c, d in
-                                                                                 self.decisions.items()}), step)
-            rows = [[c, d.dtype, d.reason] for c, d in self.decisions.items()]
-            head = (f"tolerance {self.tolerance:g}, at least {MIN_SPEEDUP:.2f}x faster than fp32; measured on"
-                    f" {measurements.device}.\n\n")
-            if self._standing_aside:
-                head += f"{_ASIDE}.\n\n"
-            evidence = markdown_table(["op class", "dtype", "evidence"], rows)
-            self._writer.text("opkit/precision/decision", head + evidence, step)
-            self._writer.scalar("opkit/precision/measure_s", measurements.seconds, step)
-            self._log_table(step)
-            self._writer.flush()
+        self._log_decision(trainer.global_step)
 
-    def _check_speed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def _log_decision(self, step: int) -> None:
+        measurements = self.measurements
+        if self._writer is None or measurements is None:
+            return
+        sensitivity = measurements.table({c: d.dtype for c, d in self.decisions.items()})
+        if self.choice is not None:
+            sensitivity += "\n\n" + self.choice.table()
+        self._writer.text("opkit/precision/sensitivity", sensitivity, step)
+        rows = [[c, d.dtype, d.reason] for c, d in self.decisions.items()]
+        head = (f"tolerance {self.tolerance:g}, at least {MIN_SPEEDUP:.2f}x faster than fp32; measured on"
+                f" {measurements.device}.\n\n")
+        if self.choice is not None:
+            head += f"{self.choice.comparison()}.\n\n"
+        if self._standing_aside:
+            head += f"{_ASIDE}.\n\n"
+        evidence = markdown_table(["op class", "dtype", "evidence"], rows)
+        if self.choice is not None:
+            evidence += "\n\n" + self.choice.table()
+        self._writer.text("opkit/precision/decision", head + evidence, step)
+        seconds = measurements.seconds + (self.choice.seconds if self.choice is not None else 0.0)
+        self._writer.scalar("opkit/precision/measure_s", seconds, step)
+        self._log_table(step)
+        self._writer.flush()
+
+    def _check_speed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: OpLog) -> None:
+        """Time the lowered classes at the ops and shapes the first training step ran; warn about slow ones."""
         lowered = [c for c in GOVERNED if self.table[c] in ("bf16", "fp16")]
         dtypes = sorted({self.table[c] for c in lowered})
-        if not lowered:
+        began = time.perf_counter()
+        notes: list[str] = []
+        try:
+            rows = time_classes(log, pl_module.device, dtypes, classes=lowered, notes=notes)
+        except Exception as err:  # timing must not end the run it times
+            rank_zero_warn(f"PrecisionPolicy could not time this model's ops ({type(err).__name__}: {err}).")
             return
-        measurements = self._measure(trainer, pl_module, batch, batch_idx, dtypes=dtypes, classes=lowered,
-                                     errors=False)
-        if measurements is None:
-            return
+        # Each class timed in the dtype of its own rule only.
+        rows = [r for r in rows if r.dtype == self.table[r.op_class]]
+        measurements = PrecisionMeasurements(rows, describe_device(pl_module.device), seconds=time.perf_counter()
+                                             - began, notes=notes)
         self.measurements = measurements
-        slow = [r for r in measurements if r.dtype == self.table[r.op_class] and r.speed is not None
-                and r.speed > MIN_SPEEDUP]
+        slow = [r for r in measurements if r.speed is not None and r.speed > MIN_SPEEDUP]
         if slow:
             device = pl_module.device
             parts = []
@@ -417,9 +505,9 @@ class PrecisionPolicy(Callback):
                 parts.append(f"{r.dtype} {r.op_class} is {speed_phrase(r)} than fp32" + (f" ({note})" if note else ""))
             rank_zero_warn(
                 f"PrecisionPolicy: on this device ({describe_device(device, hardware=False)}), " + "; ".join(parts)
-                + ". Measured at this"
-                " model's shapes, forward + backward. Use rules='auto' to choose each class's dtype by measurement,"
-                " or set those classes to 'fp32'; PrecisionPolicy(check_speed=False) turns this check off."
+                + ". Measured at the shapes of this model's first training step, forward + backward. Use"
+                " rules='auto' to choose each class's dtype by measurement, or set those classes to 'fp32';"
+                " PrecisionPolicy(check_speed=False) turns this check off."
             )
         if self._writer is not None:
             self._writer.text("opkit/precision/sensitivity", measurements.table(
@@ -430,6 +518,9 @@ class PrecisionPolicy(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        log, self._speed_recorded = self._speed_recorded, None
+        if log is not None:
+            self._check_speed(trainer, pl_module, log)
         census, self._census_done = self._census_done, None
         if census is None:
             return

@@ -1,0 +1,286 @@
+"""Whole-step decisions: candidate class tables, each run on the real step for its time and its error as a whole.
+
+Per-class timings alone mislead: each class is timed in isolation, and the casts between classes a table implies
+are not counted (GEMMs in bf16 with the elementwise ops between them in fp32 casts every activation up and down
+again). So :func:`choose_table` runs a few whole tables on the model's own step (on the first rows of the real
+batch, to keep it cheap): all-fp32; GEMMs in 16-bit with the precision-sensitive classes in fp32 and the rest
+``keep`` (run in whatever dtype their input arrives in, no cast: autocast's behaviour for them); the per-class pick;
+and the per-class pick with ``keep``. Each is timed (forward + backward) and its error measured against fp32 as a
+whole (loss change, gradient cosine), beside plain autocast (what ``precision="bf16-mixed"`` runs) on the same batch.
+The fastest table within tolerance wins; a table within :data:`TIE` of it that is closer to fp32 wins the tie.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.precision.dtypes import DTYPES
+from lightning_opkit.precision.measure import Measurement, StepRunner, grad_cosine, loss_change
+
+__all__ = ["GEMM_CLASSES", "SENSITIVE_CLASSES", "StepChoice", "TableRun", "candidate_tables", "choose_table",
+           "first_rows"]
+
+#: classes whose ops are GEMMs: the ones 16-bit units (Tensor Cores, AMX, AVX512-BF16) speed up
+GEMM_CLASSES = ("matmul", "conv", "attention", "rnn")
+#: classes kept in fp32 by every candidate but the per-class pick: variances, exponents, large sums
+SENSITIVE_CLASSES = ("norm", "softmax", "loss", "reduction")
+#: tables within this fraction of the fastest are a tie (run-to-run noise); the one closest to fp32 wins it
+TIE = 0.02
+#: a table predicted this many times slower than the fastest (from per-class timings) is not run at all
+_PREDICTED_SLOWER = 1.3
+#: after the first timing, tables this many times slower than the fastest are not timed again
+_RETIME_WITHIN = 1.25
+#: the share of the batch the candidates run on (at least one row)
+ROWS_FRACTION = 8
+
+AUTOCAST = "bf16-mixed (autocast)"
+
+
+@dataclass
+class TableRun:
+    """One candidate table run on the step: its time and its error against fp32 as a whole.
+
+    Args:
+        name: the candidate's name.
+        table: op class -> dtype name (``"keep"``: the input's dtype) for the classes the model ran.
+        ms: forward + backward time on the measured rows, the best of its samples; ``None`` if not run.
+        loss_change: ``|loss - loss_fp32| / |loss_fp32|``.
+        grad_cosine: cosine of all gradients to the fp32 gradients.
+        predicted: time predicted from per-class timings, as a multiple of the fastest prediction.
+        skipped: why it was not run, if it was not.
+        failed: why its run raised, if it did.
+    """
+
+    name: str
+    table: dict[str, str]
+    ms: float | None = None
+    loss_change: float | None = None
+    grad_cosine: float | None = None
+    predicted: float | None = None
+    skipped: str | None = None
+    failed: str | None = None
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def error(self) -> float:
+        """How far from fp32 as one number: the larger of the loss change and ``1 - grad cosine``."""
+        if self.loss_change is None:
+            return math.inf
+        return max(self.loss_change, 0.0 if self.grad_cosine is None else 1.0 - self.grad_cosine)
+
+    def within(self, tolerance: float) -> bool:
+        """Whether it ran and stays within ``tolerance`` (loss change and ``1 - grad cosine``)."""
+        return self.ms is not None and self.failed is None and self.error <= tolerance
+
+    def describe(self) -> str:
+        """``"matmul, attention in bf16; norm in fp32; pointwise keep"``."""
+        by: dict[str, list[str]] = {}
+        for cls in sorted(self.table, key=OP_CLASSES.index):
+            by.setdefault(self.table[cls], []).append(cls)
+        return "; ".join(f"{', '.join(v)} {'keep' if k == 'keep' else 'in ' + k}" for k, v in by.items()) or "-"
+
+    def figures(self) -> str:
+        """``"312.4 ms, loss change 1.2e-05, grad cosine 0.999968"``."""
+        if self.ms is None:
+            return f"not run ({self.skipped or self.failed})"
+        cos = "-" if self.grad_cosine is None else f"{self.grad_cosine:.6f}"
+        return f"{self.ms:.1f} ms, loss change {self.loss_change:.2e}, grad cosine {cos}"
+
+
+@dataclass
+class StepChoice:
+    """The candidates, plain autocast beside them, and the table chosen.
+
+    Args:
+        runs: the candidates in the order they were built.
+        autocast: plain autocast in 16-bit on the same rows (the ``bf16-mixed`` comparison).
+        chosen: the name of the chosen candidate.
+        rows: how many rows of the batch the runs used.
+        seconds: what the runs cost, wall clock.
+        tolerance: the tolerance the choice was held to.
+    """
+
+    runs: list[TableRun]
+    autocast: TableRun | None
+    chosen: str
+    rows: int
+    seconds: float
+    tolerance: float
+
+    @property
+    def best(self) -> TableRun:
+        """The chosen run."""
+        return next(r for r in self.runs if r.name == self.chosen)
+
+    def table(self) -> str:
+        """The candidates as markdown: time, error and whether chosen, with autocast's row for comparison."""
+        runs = [*self.runs, *([self.autocast] if self.autocast is not None else [])]
+        fastest = min((r.ms for r in runs if r.ms is not None), default=None)
+        body = [[r.name, r.describe() if r.name != AUTOCAST else "torch.autocast, no policy",
+                 "-" if r.ms is None else f"{r.ms:.1f}",
+                 "-" if r.ms is None or not fastest else f"{r.ms / fastest:.3f}",
+                 "-" if r.loss_change is None else f"{r.loss_change:.2e}",
+                 "-" if r.grad_cosine is None else f"{r.grad_cosine:.6f}",
+                 "yes" if r.name == self.chosen else (r.skipped or r.failed or "no")] for r in runs]
+        head = (f"Whole-step candidates, forward + backward on {self.rows} row(s) of the batch, measured in"
+                f" {self.seconds:.2f} s; errors against fp32 on the same rows; tolerance {self.tolerance:g};"
+                f" within {TIE:.0%} of the fastest, the table closest to fp32 wins.\n\n")
+        return head + markdown_table(["table", "classes", "ms", "vs fastest", "loss change", "grad cosine",
+                                      "chosen"], body)
+
+    def comparison(self) -> str:
+        """One line: the chosen table's error beside plain autocast's, on the same batch."""
+        best = self.best
+        line = f"chosen table '{best.name}': {best.figures()}"
+        if self.autocast is not None and self.autocast.ms is not None:
+            line += f"; plain bf16-mixed on the same rows: {self.autocast.figures()}"
+        return line
+
+
+def first_rows(batch: Any, fraction: int = ROWS_FRACTION) -> tuple[Any, int]:
+    """The first ``1/fraction`` of the batch's rows (at least one), and how many that is.
+
+    Every tensor whose first dimension is the batch size (that of the first tensor in the batch) is sliced; other
+    values are kept. A batch with no tensor is returned whole.
+    """
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor) and t.dim() > 0]
+    if not leaves:
+        return batch, 1
+    size = leaves[0].shape[0]
+    rows = max(1, size // fraction)
+    if rows == size:
+        return batch, size
+    return tree_map(lambda t: t[:rows] if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == size else t,
+                    batch), rows
+
+
+def candidate_tables(per_class: dict[str, str], classes: Sequence[str], low: str = "bf16") -> dict[str, dict[str, str]]:
+    """The whole-step candidates over ``classes`` (the classes the model ran), duplicates removed.
+
+    Args:
+        per_class: op class -> dtype name chosen class by class (from per-class timings).
+        classes: the governed classes the model ran.
+        low: the 16-bit dtype for the GEMM candidate.
+
+    Example:
+        >>> tables = candidate_tables({"matmul": "bf16", "norm": "fp32"}, ["matmul", "norm", "pointwise"])
+        >>> tables["gemm+keep"]
+        {'matmul': 'bf16', 'norm': 'fp32', 'pointwise': 'keep'}
+        >>> list(tables)
+        ['fp32', 'gemm+keep', 'per-class', 'per-class+keep']
+    """
+    fp32 = dict.fromkeys(classes, "fp32")
+    gemm = {c: low if c in GEMM_CLASSES else "fp32" if c in SENSITIVE_CLASSES else "keep" for c in classes}
+    pick = {c: per_class.get(c, "fp32") for c in classes}
+    pick_keep = {c: "keep" if d == "fp32" and c not in SENSITIVE_CLASSES else d for c, d in pick.items()}
+    out: dict[str, dict[str, str]] = {}
+    for name, table in (("fp32", fp32), ("gemm+keep", gemm), ("per-class", pick), ("per-class+keep", pick_keep)):
+        lowers = any(d not in ("fp32", "keep") for d in table.values())
+        # ``keep`` with nothing lowered is fp32 in disguise: not a candidate of its own.
+        if table not in out.values() and (lowers or "keep" not in table.values()):
+            out[name] = table
+    return out
+
+
+def _predicted(table: dict[str, str], speeds: dict[tuple[str, str], Measurement]) -> float:
+    """Op time of ``table`` from per-class timings (``keep`` counted as fp32: its dtype is not known beforehand).
+
+    Each class weighs its measured fp32 time; classes without one (rows built by hand) weigh alike.
+    """
+    fp32_ms = {c: r.fp32_ms for (c, _), r in speeds.items() if r.fp32_ms is not None}
+    default = sum(fp32_ms.values()) / len(fp32_ms) if fp32_ms else 1.0
+    total = 0.0
+    for cls, name in table.items():
+        row = speeds.get((cls, name))
+        ratio = row.speed if row is not None and row.speed is not None and not row.failed else 1.0
+        total += fp32_ms.get(cls, default) * ratio
+    return total
+
+
+def _timed_run(runner: StepRunner, run: TableRun, ref: tuple[Tensor, list[Tensor | None]] | None,
+               autocast: torch.dtype | None = None) -> tuple[Tensor, list[Tensor | None]] | None:
+    """Run ``run``'s table once, add a time sample and (against ``ref``) its errors; the loss and grads, or ``None``."""
+    device = next((p.device for p in runner.model.parameters()), torch.device("cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    try:
+        sync()
+        began = time.perf_counter()
+        loss, grads = runner.run(None if autocast is not None else run.table, autocast=autocast)
+        sync()
+    except Exception as err:  # a table with no kernel for some op on this device
+        run.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
+        return None
+    run.samples.append(1e3 * (time.perf_counter() - began))
+    run.ms = min(run.samples)
+    if ref is not None:
+        run.loss_change = loss_change(loss, ref[0])
+        run.grad_cosine = grad_cosine(grads, ref[1])
+    return loss, grads
+
+
+def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Sequence[Measurement],
+                 tolerance: float, batch_rows: int, low: str = "bf16",
+                 agree: Callable[[Any], Any] = lambda value: value) -> StepChoice:
+    """Run each candidate table on the step, with plain autocast beside them, and choose the table to train with.
+
+    Call it inside ``runner.session()``. The first table is all-fp32: its run is the reference for every error. A
+    table predicted (from the per-class timings ``rows``) far slower than the fastest prediction is not run: on a
+    CPU without native bf16 units a bf16 step can take ten times fp32's.
+
+    Args:
+        runner: runs the step on the measured rows.
+        tables: name -> table, from :func:`candidate_tables`; the first is the fp32 table.
+        rows: per-class speed measurements.
+        tolerance: the largest loss change and ``1 - grad cosine`` a table may cause.
+        batch_rows: how many rows of the batch ``runner`` runs (for the report).
+        low: the 16-bit dtype plain autocast runs in.
+        agree: makes every rank take rank zero's value (``trainer.strategy.broadcast``): which tables run, and how
+            often, so that every rank runs the same steps in lockstep (a SyncBatchNorm, a sharded model).
+    """
+    began = time.perf_counter()
+    speeds = {(r.op_class, r.dtype): r for r in rows}
+    runs = [TableRun(name, table) for name, table in tables.items()]
+    predictions = {r.name: _predicted(r.table, speeds) for r in runs}
+    floor = min(predictions.values(), default=0.0)
+    for run in runs[1:]:
+        run.predicted = predictions[run.name] / floor if floor > 0 else 1.0
+        if run.predicted > _PREDICTED_SLOWER:
+            run.skipped = f"predicted {run.predicted:.1f}x slower from per-class timings"
+    skipped = agree({r.name: r.skipped for r in runs})
+    for run in runs:
+        run.skipped = skipped.get(run.name)
+    autocast = TableRun(AUTOCAST, {})
+    ref = _timed_run(runner, runs[0], None)
+    if ref is None:
+        raise RuntimeError(f"the fp32 run of the step failed ({runs[0].failed})")
+    runs[0].loss_change, runs[0].grad_cosine = 0.0, grad_cosine(ref[1], ref[1])
+    for run in runs[1:]:
+        if run.skipped is None:
+            _timed_run(runner, run, ref)
+    _timed_run(runner, autocast, ref, autocast=DTYPES[low])
+    # A second sample for the tables still in the race, in reverse order so that drift hits them alike.
+    fastest = min((r.ms for r in runs if r.within(tolerance) and r.ms is not None), default=None)
+    again = [r.name for r in reversed(runs) if fastest is not None and r.within(tolerance) and r.ms is not None
+             and r.ms <= _RETIME_WITHIN * fastest]
+    for name in agree(again):
+        _timed_run(runner, next(r for r in runs if r.name == name), None)
+    return StepChoice(runs, autocast, _pick(runs, tolerance), batch_rows, time.perf_counter() - began, tolerance)
+
+
+def _pick(runs: list[TableRun], tolerance: float) -> str:
+    good = [r for r in runs if r.within(tolerance)]
+    if not good:
+        return runs[0].name
+    fastest = min(r.ms for r in good if r.ms is not None)
+    ties = [r for r in good if r.ms is not None and r.ms <= (1 + TIE) * fastest]
+    return min(ties, key=lambda r: (r.error, r.ms)).name

@@ -1,0 +1,206 @@
+"""rules="auto" decides for the whole step: candidate tables run on the real step, timed, their error measured as a
+whole, beside plain bf16-mixed; and the defects the whole-step work found (speed check, autocast-off regions)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_loader, read_events, trainer
+from test_precision import Probe
+from test_precision_auto import Injected, _row
+from torch import nn
+
+from lightning_opkit import PrecisionPolicy, replaying
+from lightning_opkit.precision.candidates import (
+    AUTOCAST,
+    StepChoice,
+    TableRun,
+    _pick,
+    candidate_tables,
+    choose_table,
+    first_rows,
+)
+from lightning_opkit.precision.measure import StepRunner, record_ops, time_classes
+
+BF, FP = torch.bfloat16, torch.float32
+
+
+def test_candidates_cover_fp32_gemm_keep_the_pick_and_the_pick_with_keep():
+    classes = ["matmul", "attention", "norm", "activation", "pointwise", "loss"]
+    tables = candidate_tables({"matmul": "bf16", "activation": "bf16", "norm": "fp32"}, classes)
+    assert list(tables) == ["fp32", "gemm+keep", "per-class", "per-class+keep"]
+    assert set(tables["fp32"].values()) == {"fp32"}
+    assert tables["gemm+keep"] == {"matmul": "bf16", "attention": "bf16", "norm": "fp32", "activation": "keep",
+                                   "pointwise": "keep", "loss": "fp32"}
+    assert tables["per-class"]["attention"] == "fp32" and tables["per-class"]["activation"] == "bf16"
+    # ``keep`` replaces fp32 only where a class is not precision-sensitive: norm and loss stay fp32
+    assert tables["per-class+keep"] == {"matmul": "bf16", "attention": "keep", "norm": "fp32", "activation": "bf16",
+                                        "pointwise": "keep", "loss": "fp32"}
+    # nothing lowered class by class: "per-class" is the fp32 table, and ``keep`` over nothing lowered is no candidate
+    assert list(candidate_tables({}, classes)) == ["fp32", "gemm+keep"]
+    assert candidate_tables({}, ["matmul"], low="fp16")["gemm+keep"] == {"matmul": "fp16"}
+
+
+def _run(name, ms, loss=0.0, cos=1.0, **kw):
+    return TableRun(name, {}, ms=ms, loss_change=loss, grad_cosine=cos, samples=[ms], **kw)
+
+
+def test_the_fastest_table_within_tolerance_wins_and_a_tie_goes_to_the_closer_to_fp32():
+    runs = [_run("fp32", 100.0), _run("a", 60.0, loss=0.05), _run("b", 70.0, loss=1e-4), _run("c", 71.0, loss=1e-6)]
+    assert _pick(runs, 0.01) == "c"  # a is out of tolerance; c is within 2% of b and closer to fp32
+    assert _pick(runs, 0.1) == "a"
+    runs[3].ms = 75.0
+    assert _pick(runs, 0.01) == "b"  # 7% slower is no tie
+    assert _pick([_run("fp32", 100.0), _run("x", 50.0, cos=0.9)], 0.01) == "fp32"  # gradients turned: fp32
+    assert _pick([_run("fp32", 100.0), TableRun("y", {}, skipped="predicted 9.0x slower")], 0.01) == "fp32"
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+def test_choose_table_runs_each_candidate_on_the_step_beside_autocast_and_leaves_no_trace():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = torch.randn(16, 16)
+    runner = StepRunner(model, batch, lambda m, b: m(b).square().mean())
+    with runner.session():
+        log, _, _ = record_ops(runner)
+        rows = time_classes(log, torch.device("cpu"), ["bf16"], reps=1)
+        tables = candidate_tables({}, sorted({r.op_class for r in rows}))
+        choice = choose_table(runner, tables, rows, tolerance=0.01, batch_rows=16)
+    assert [r.name for r in choice.runs] == list(tables)
+    for run in [*choice.runs, choice.autocast]:
+        if run.skipped is None:
+            assert run.ms > 0 and run.loss_change is not None and 0.99 < run.grad_cosine <= 1 + 1e-6, run
+    assert choice.runs[0].loss_change == 0.0 and choice.autocast.name == AUTOCAST
+    assert choice.best.within(0.01) and choice.chosen in tables
+    text = choice.table()
+    assert "| gemm+keep |" in text and f"| {AUTOCAST} |" in text and "1 row" not in text
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_table_predicted_far_slower_is_not_run():
+    # On a CPU without native bf16 units a bf16 GEMM is ~10x slower: no whole step is spent finding that out again.
+    model = _model()
+    runner = StepRunner(model, torch.randn(8, 16), lambda m, b: m(b).square().mean())
+    rows = [_row("matmul", speed=12.0, fp32_ms=5.0), _row("norm", speed=1.5, fp32_ms=0.5),
+            _row("activation", speed=1.2, fp32_ms=0.5)]
+    with runner.session():
+        choice = choose_table(runner, candidate_tables({}, ["matmul", "norm", "activation"]), rows, 0.01, 8)
+    gemm = next(r for r in choice.runs if r.name == "gemm+keep")
+    assert gemm.ms is None and "predicted" in gemm.skipped and "slower" in gemm.skipped
+    assert choice.chosen == "fp32" and choice.autocast.ms is not None  # bf16-mixed still shown for comparison
+
+
+def test_first_rows_slices_every_tensor_with_the_batch_dimension():
+    x, y, mask = torch.randn(64, 3), torch.arange(64), torch.ones(3, 3)
+    (sx, sy, smask), n = first_rows((x, y, mask))
+    assert n == 8 and sx.shape == (8, 3) and torch.equal(sy, y[:8]) and smask.shape == (3, 3)
+    small, n = first_rows({"ids": torch.zeros(4, 7)})
+    assert n == 1 and small["ids"].shape == (1, 7)
+
+
+class Chosen(Injected):
+    """rules="auto" with the per-class measurements and the whole-step choice given: both branches anywhere."""
+
+    def __init__(self, rows, pick, **kwargs):
+        super().__init__(rows, **kwargs)
+        self.pick = pick
+
+    def _choose(self, trainer, pl_module, batch, batch_idx, rows, per_class, dtypes):
+        self.candidates = candidate_tables(per_class, sorted(per_class), "bf16")
+        runs = [TableRun(name, table, ms=100.0 if name == "fp32" else 90.0 if name == self.pick else 95.0,
+                         loss_change=0.0 if name == "fp32" else 1e-5, grad_cosine=1.0 if name == "fp32" else 0.9999)
+                for name, table in self.candidates.items()]
+        autocast = TableRun(AUTOCAST, {}, ms=91.0, loss_change=2e-5, grad_cosine=0.9998)
+        return StepChoice(runs, autocast, _pick(runs, self.tolerance), rows=1, seconds=0.1, tolerance=self.tolerance)
+
+
+def test_auto_trains_with_the_chosen_whole_step_table(tmp_path):
+    model = Probe()
+    rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("norm", speed=1.3, loss=None, cos=None),
+            _row("softmax", speed=1.2, loss=None, cos=None), _row("activation", speed=0.9, loss=None, cos=None),
+            _row("loss", speed=1.1, loss=None, cos=None), _row("pointwise", speed=1.0, loss=None, cos=None)]
+    policy = Chosen(rows, "gemm+keep", census_every_n_steps=1)
+    trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
+    assert policy.choice.chosen == "gemm+keep" and policy.table["activation"] == "keep"
+    # softmax fp32 -> `s * 10` and gelu keep fp32; the GEMMs in bf16; norm, softmax and loss in fp32
+    assert model.seen == dict(linear=BF, norm=FP, softmax=FP, gelu=FP, matmul=BF, inner=BF, head=BF, loss=FP)
+    assert "table 'gemm+keep'" in policy.decisions["matmul"].reason and "per class: 2.50x faster" in (
+        policy.decisions["matmul"].reason)
+    _, texts = read_events(str(tmp_path))
+    decision = texts["opkit/precision/decision"][0][1]
+    assert "chosen table 'gemm+keep': 90.0 ms, loss change 1.00e-05" in decision
+    assert "plain bf16-mixed on the same rows: 91.0 ms, loss change 2.00e-05, grad cosine 0.999800" in decision
+    assert "| gemm+keep |" in texts["opkit/precision/sensitivity"][0][1]
+    census = texts["opkit/precision/census"][-1][1]
+    assert "| activation | fp32 | class rule (keep) |" in census  # keep: ran in the dtype its input had
+    assert any("plain bf16-mixed" in line for line in policy.summary_lines())
+
+
+def test_auto_without_bf16_units_keeps_fp32_and_stands_aside(tmp_path):
+    # What an AVX2-only CPU measures: bf16 GEMMs 12x slower; no lowered table is even run, fp32 wins.
+    model = Probe()
+    rows = [_row("matmul", speed=12.0, fp32_ms=2.0), _row("norm", speed=1.5, fp32_ms=0.2),
+            _row("activation", speed=1.4, fp32_ms=0.2), _row("softmax", speed=1.3, fp32_ms=0.2)]
+    policy = Injected(rows, census_every_n_steps=0)
+    trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
+    assert policy.choice.chosen == "fp32" and policy._standing_aside
+    assert [r.name for r in policy.choice.runs if r.ms is not None] == ["fp32"]
+    assert model.seen["linear"] == FP and model.seen["matmul"] == FP
+
+
+class HookedProbe(Probe):
+    """Counts the forwards of ``body`` and records whether each step ran as a replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.forwards: list[torch.dtype] = []
+        self.replays: list[bool] = []
+        self.body.register_forward_hook(lambda m, a, out: self.forwards.append(out.dtype))
+
+    def training_step(self, batch, batch_idx):
+        self.replays.append(replaying())
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_speed_check_of_explicit_rules_runs_no_extra_forward(tmp_path):
+    model = HookedProbe()
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0)  # check_speed=True
+    trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
+    assert model.forwards == [BF, BF, BF] and model.replays == [False, False, False]  # one forward per step
+    matmul = policy.measurements.get("matmul", "bf16")
+    assert matmul.speed > 0 and matmul.calls == 4  # timed from the ops the first step ran: body, a @ w, inner, head
+    _, texts = read_events(str(tmp_path))
+    assert "| matmul | bf16 |" in texts["opkit/precision/sensitivity"][0][1]
+
+
+def test_replaying_tells_user_code_which_runs_are_measurements(tmp_path):
+    model = HookedProbe()
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
+    trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
+    real = [r for r in model.replays if not r]
+    assert len(real) == 2 and model.replays[-1] is False  # the two training steps themselves
+    assert sum(model.replays) >= 3 and not replaying()  # the measurement's runs, and nothing left on after
+
+
+class AutocastOffRegion(Probe):
+    """A GEMM the user runs with autocast turned off: they want it at full precision."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        with torch.autocast("cpu", enabled=False):
+            h = x @ self.body.weight.T
+            self.seen.setdefault("off_region", []).append((h.dtype, F.softmax(h, -1).dtype))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("census", [0, 1])
+def test_a_region_where_the_user_turned_autocast_off_runs_as_written(tmp_path, census):
+    model = AutocastOffRegion()
+    policy = PrecisionPolicy(census_every_n_steps=census, check_speed=False)
+    trainer(tmp_path, [policy], max_steps=3, precision="bf16-mixed").fit(model, make_loader())
+    assert model.seen["off_region"] == [(FP, FP)] * 3  # every step, census steps included
+    assert model.seen["matmul"] == BF and model.seen["norm"] == FP  # outside it the policy decides
