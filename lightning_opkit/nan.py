@@ -17,9 +17,10 @@ from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs, check_int
 from lightning_opkit._modules import resolve_modules
-from lightning_opkit._nan_locate import describe, floats, replay
+from lightning_opkit._nan_cause import diagnose
+from lightning_opkit._nan_locate import describe, replay
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import autocast_off_in, loss_of, quiet_logging, rng_state, run_step, set_rng_state
+from lightning_opkit._replay import loss_of, quiet_logging, rng_state, set_rng_state
 from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 from lightning_opkit.precision import PrecisionPolicy
@@ -409,46 +410,10 @@ class NaNDetector(Callback):
 
     def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
                found: dict[str, Any], named: dict[str, torch.nn.Module]) -> dict[str, Any]:
-        """Replay with the culprit in fp32, then as is: ``precision``, ``data_or_model`` or ``transient``."""
-        path = found["module"]
-        culprit = named.get(path) if path else None
-        where = f"module {path!r}" if culprit is not None else "the whole step"
-        if self._non_finite_again(trainer, pl_module, micro, found, culprit, fp32=True):
-            return {"cause": "data_or_model",
-                    "advice": f"non-finite with {where} in fp32 too: check batch {micro.batch_idx}'s data and the"
-                              f" model's numerics (learning rate, log/division of zero, initialization)"}
-        if not self._non_finite_again(trainer, pl_module, micro, found, culprit, fp32=False):
-            return {"cause": "transient",
-                    "advice": "not reproduced by a second replay as is: non-deterministic code or hardware"}
-        fix = (f"PrecisionPolicy(modules={{{path!r}: 'fp32'}})" if culprit is not None
-               else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")
-        return {"cause": "precision", "advice": f"finite with {where} in fp32, non-finite as is: try {fix}"}
-
-    def _non_finite_again(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
-                          found: dict[str, Any], culprit: torch.nn.Module | None, fp32: bool) -> bool:
-        """Replay the micro-batch (the culprit, else the whole step, in fp32 if asked); is the fault there again?"""
-        set_rng_state(micro.rng)
-        compute_loss = self._step_loss(trainer, pl_module, micro, autocast=not (fp32 and culprit is None))
+        """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit._nan_cause.diagnose`."""
         policies = [c for c in trainer.callbacks if isinstance(c, PrecisionPolicy)]  # type: ignore[attr-defined]
-        outputs: list[Tensor] = []
-        with contextlib.ExitStack() as stack:
-            if fp32:
-                for policy in policies:
-                    stack.enter_context(policy.running_in(culprit, "fp32"))
-                stack.enter_context(autocast_off_in(culprit))
-            if culprit is not None and found["phase"] == "forward":
-                handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(floats(out)))
-                stack.callback(handle.remove)
-            try:
-                loss, grads = run_step(pl_module, compute_loss, backward=found["phase"] == "backward")
-            except Exception as err:  # the step failing in a replay: the fault cannot be ruled out
-                warnings.warn(f"NaNDetector: a cause replay failed ({type(err).__name__}: {err})", stacklevel=2)
-                return True
-        if found["phase"] == "forward" and culprit is not None:
-            return not all(bool(t.isfinite().all()) for t in outputs)
-        if found["phase"] == "backward":
-            return not all(bool(g.isfinite().all()) for g in grads if g is not None)
-        return loss is not None and not bool(loss.float().isfinite().all())
+        return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
+                        found, named, policies, micro.batch_idx)
 
     def _act(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, report: dict[str, Any]) -> None:
         self.events.append(report)

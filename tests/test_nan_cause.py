@@ -101,3 +101,61 @@ def test_a_nan_in_the_data_is_data_or_model(tmp_path):
     trainer(tmp_path, [detector], max_steps=3, precision="bf16-mixed").fit(Net(), loader)
     (report,) = detector.events
     assert report["step"] == 1 and report["cause"] == "data_or_model" and "batch 1" in report["advice"]
+
+
+class Boom(nn.Module):
+    """Scales its input past fp16's range (65504): inf in fp16, finite in fp32."""
+
+    def forward(self, x):
+        return x * 1e5
+
+
+class SixteenTrue(pl.LightningModule):
+    """A model trained with ``precision="16-true"``: fp16 weights everywhere, a LayerNorm after the overflow."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.boom = Boom()
+        self.ln = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.ln(self.boom(self.inp(x))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_an_fp16_overflow_under_16_true_is_a_precision_cause(tmp_path):
+    # The fp32 replay of `boom` must run next to fp16 weights: its output goes on to the fp16 LayerNorm in fp16.
+    model = SixteenTrue()
+    with pytest.raises(NonFiniteError) as info:
+        trainer(tmp_path, [NaNDetector(action="raise")], max_steps=2, precision="16-true").fit(model, make_loader())
+    report = info.value.report
+    assert (report["module"], report["phase"], report["dtype"]) == ("boom", "forward", "float16")
+    assert report["cause"] == "precision", report["advice"]
+    assert "PrecisionPolicy(modules={'boom': 'fp32'})" in report["advice"]
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+class FailsInReplay(Net):
+    """The model NaN of ``Net``, and a step that raises from its third run on (the first cause replay)."""
+
+    def forward(self, x):
+        if self.global_step == self.fault_step and self.training and self.calls >= 2:
+            raise RuntimeError("this step cannot be replayed")
+        return super().forward(x)
+
+
+def test_a_cause_replay_that_fails_gives_an_unknown_cause_with_the_reason(tmp_path):
+    detector = NaNDetector(action="skip")
+    with pytest.warns(UserWarning, match="a cause replay failed"):
+        trainer(tmp_path, [detector], max_steps=3).fit(FailsInReplay(fault_step=1), make_loader())
+    (report,) = detector.events
+    assert report["cause"] == "unknown"
+    assert "RuntimeError: this step cannot be replayed" in report["advice"] and "not observed" in report["advice"]
