@@ -61,6 +61,7 @@ if __name__ == "__main__":
         "windows": windows.windows_done,
         "table": policy.table,
         "own": {c: d.dtype for c, d in decide(policy.measurements).items()} if auto else None,
+        "chosen": policy.choice.best.table if auto and policy.choice else None,
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

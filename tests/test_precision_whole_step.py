@@ -20,6 +20,7 @@ from lightning_opkit.precision.candidates import (
     first_rows,
 )
 from lightning_opkit.precision.measure import StepRunner, record_ops, time_classes
+from lightning_opkit.precision.trials import Trials
 
 BF, FP = torch.bfloat16, torch.float32
 
@@ -105,13 +106,13 @@ def test_first_rows_slices_every_tensor_with_the_batch_dimension():
 class Chosen(Injected):
     """rules="auto" with the per-class measurements and the whole-step choice given: both branches anywhere."""
 
-    def __init__(self, rows, pick, **kwargs):
+    def __init__(self, rows, pick, others_ms=200.0, **kwargs):
         super().__init__(rows, **kwargs)
-        self.pick = pick
+        self.pick, self.others_ms = pick, others_ms
 
     def _choose(self, trainer, pl_module, batch, batch_idx, rows, per_class, dtypes):
         self.candidates = candidate_tables(per_class, sorted(per_class), "bf16")
-        runs = [TableRun(name, table, ms=100.0 if name == "fp32" else 90.0 if name == self.pick else 95.0,
+        runs = [TableRun(name, table, ms=300.0 if name == "fp32" else 90.0 if name == self.pick else self.others_ms,
                          loss_change=0.0 if name == "fp32" else 1e-5, grad_cosine=1.0 if name == "fp32" else 0.9999)
                 for name, table in self.candidates.items()]
         autocast = TableRun(AUTOCAST, {}, ms=91.0, loss_change=2e-5, grad_cosine=0.9998)
@@ -204,3 +205,63 @@ def test_a_region_where_the_user_turned_autocast_off_runs_as_written(tmp_path, c
     trainer(tmp_path, [policy], max_steps=3, precision="bf16-mixed").fit(model, make_loader())
     assert model.seen["off_region"] == [(FP, FP)] * 3  # every step, census steps included
     assert model.seen["matmul"] == BF and model.seen["norm"] == FP  # outside it the policy decides
+
+
+def test_trials_alternate_the_contenders_and_keep_the_fastest_median():
+    trials = Trials(["a", "b", "c"], rounds=2)
+    assert trials.order == ["a", "b", "c", "c", "b", "a"] and trials.next() == "a"
+    for name, ms in zip(trials.order, [10.0, 9.0, 12.0, 12.5, 9.2, 10.1]):
+        assert not trials.done and trials.next() == name
+        trials.add(name, ms)
+    assert trials.done and trials.medians() == {"a": 10.05, "b": 9.1, "c": 12.25} and trials.winner() == "b"
+    tie = Trials(["a", "b"], rounds=1)
+    tie.add("a", 10.0), tie.add("b", 9.9)
+    assert tie.winner() == "a"  # within 2%: the sub-batch choice stays
+    assert "b 9.9 ms" in tie.describe() and "median of 1" in tie.describe()
+
+
+class Trialled(Probe):
+    """Records the dtype the GEMMs and GELU ran in at each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_step = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.per_step.append((self.seen["matmul"], self.seen["gelu"]))
+        return loss
+
+
+def test_close_contenders_are_confirmed_on_real_training_steps(tmp_path):
+    model = Trialled()
+    rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("activation", speed=0.5, loss=None, cos=None),
+            _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
+    # per-class (matmul, activation bf16) 90 ms and its +keep twin and gemm+keep 95 ms: all within 25%, so they
+    # contend; fp32 (300 ms) does not
+    policy = Chosen(rows, "per-class", others_ms=95.0, census_every_n_steps=0, trial_rounds=2)
+    trainer(tmp_path, [policy], max_steps=8).fit(model, make_loader())
+    trial = policy.choice.trial
+    names = ["per-class", "gemm+keep", "per-class+keep"]
+    assert all(f"{n} " in trial for n in names) and "median of 2 training steps each" in trial
+    # step 0 (the measurement) trains on the per-class table; steps 1-6 on each contender, round robin
+    gelu = {"per-class": BF, "gemm+keep": FP, "per-class+keep": BF}
+    order = ["per-class", "gemm+keep", "per-class+keep", "per-class+keep", "gemm+keep", "per-class"]
+    assert model.per_step[1:7] == [(BF, gelu[n]) for n in order]
+    winner = policy.choice.chosen
+    medians = {n: float(part.split(" ")[-2]) for n, part in zip(names, trial.split(" (")[0].split(", "))}
+    assert medians[winner] <= 1.02 * min(medians.values())
+    assert model.per_step[7] == (BF, gelu[winner]) and policy.table["activation"] == policy.choice.best.table[
+        "activation"]
+    _, texts = read_events(str(tmp_path))
+    assert "confirmed on training steps" in texts["opkit/precision/decision"][-1][1]
+
+
+def test_no_trials_under_torch_compile(tmp_path):
+    from lightning_opkit import TorchCompile
+
+    model = Probe()
+    rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("activation", speed=0.5, loss=None, cos=None)]
+    policy = Chosen(rows, "gemm+keep", others_ms=95.0, census_every_n_steps=0)
+    trainer(tmp_path, [policy, TorchCompile(backend="eager")], max_steps=3).fit(model, make_loader())
+    assert policy.choice.chosen == "gemm+keep" and "TorchCompile attached" in policy.choice.trial

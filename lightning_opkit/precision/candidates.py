@@ -117,10 +117,20 @@ class StepChoice:
     seconds: float
     tolerance: float
 
+    #: how the choice was confirmed on real training steps (:class:`~lightning_opkit.precision.trials.Trials`)
+    trial: str | None = None
+
     @property
     def best(self) -> TableRun:
         """The chosen run."""
         return next(r for r in self.runs if r.name == self.chosen)
+
+    def contenders(self) -> list[str]:
+        """The chosen table first, then every other within tolerance and within 25% of it on the measured rows."""
+        best = self.best
+        close = [r.name for r in self.runs if r is not best and r.within(self.tolerance) and r.ms is not None
+                 and best.ms is not None and r.ms <= _RETIME_WITHIN * best.ms]
+        return [best.name, *close]
 
     def table(self) -> str:
         """The candidates as markdown: time, error and whether chosen, with autocast's row for comparison."""
@@ -144,6 +154,8 @@ class StepChoice:
         line = f"chosen table '{best.name}': {best.figures()}"
         if self.autocast is not None and self.autocast.ms is not None:
             line += f"; plain bf16-mixed on the same rows: {self.autocast.figures()}"
+        if self.trial:
+            line += f"; confirmed on training steps: {self.trial}"
         return line
 
 
@@ -176,8 +188,8 @@ def candidate_tables(per_class: dict[str, str], classes: Sequence[str], low: str
         >>> tables = candidate_tables({"matmul": "bf16", "norm": "fp32"}, ["matmul", "norm", "pointwise"])
         >>> tables["gemm+keep"]
         {'matmul': 'bf16', 'norm': 'fp32', 'pointwise': 'keep'}
-        >>> list(tables)
-        ['fp32', 'gemm+keep', 'per-class', 'per-class+keep']
+        >>> list(tables)  # the pick with keep is gemm+keep here: one candidate
+        ['fp32', 'gemm+keep', 'per-class']
     """
     fp32 = dict.fromkeys(classes, "fp32")
     gemm = {c: low if c in GEMM_CLASSES else "fp32" if c in SENSITIVE_CLASSES else "keep" for c in classes}

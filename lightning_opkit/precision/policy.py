@@ -44,6 +44,7 @@ from lightning_opkit.precision.measure import (
     time_classes,
 )
 from lightning_opkit.precision.mode import ModeState, PolicyMode, keep_out_of_dynamo_frames, match_weight_dtype
+from lightning_opkit.precision.trials import Trials
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
 
@@ -89,6 +90,10 @@ class PrecisionPolicy(Callback):
             GEMMs in 16-bit with the rest ``keep``, the per-class pick, the pick with ``keep``) on the first rows of
             the batch, and train with the fastest within ``tolerance`` as a whole (loss change, gradient cosine);
             ``False``: each class alone, as timed op by op and lowered alone.
+        trial_rounds: with ``whole_step``, confirm the candidates that come close on the measured rows on the next
+            real training steps: each runs this many steps (they train as usual) and the fastest median trains on;
+            0 = take the choice on the measured rows. Not under TorchCompile (each table would recompile) nor with
+            gradient accumulation.
 
     Example:
         >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, modules={"head": "fp32"})
@@ -105,6 +110,7 @@ class PrecisionPolicy(Callback):
         measure_every_n_steps: int = 0,
         check_speed: bool = True,
         whole_step: bool = True,
+        trial_rounds: int = 2,
     ) -> None:
         valid = list(DTYPES)
         governed = list(GOVERNED)
@@ -130,6 +136,7 @@ class PrecisionPolicy(Callback):
                 raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
         check_int("census_every_n_steps", census_every_n_steps, 0)
         check_int("measure_every_n_steps", measure_every_n_steps, 0)
+        check_int("trial_rounds", trial_rounds, 0)
         check_bools(check_speed=check_speed, whole_step=whole_step)
         check_fraction("tolerance", tolerance, "relative loss change and 1 - gradient cosine")
         self.rules: str | dict[str, str] | None = "auto" if auto else (dict(rules) if rules is not None else None)
@@ -140,6 +147,7 @@ class PrecisionPolicy(Callback):
         self.measure_every_n_steps = measure_every_n_steps
         self.check_speed = check_speed
         self.whole_step = whole_step
+        self.trial_rounds = trial_rounds
         if auto:
             table = dict.fromkeys(GOVERNED, "fp32")  # until measured
         else:
@@ -163,6 +171,9 @@ class PrecisionPolicy(Callback):
         self._speed_recorded: OpLog | None = None  # what it recorded, timed at the batch's end
         self._census_step = False
         self._measured_at: int | None = None
+        self._per_class: dict[str, tuple[str, str]] = {}  # rank zero's per-class decisions: (dtype, why)
+        self._trials: Trials | None = None  # contenders timed on the next training steps
+        self._trial_step: tuple[str, float] | None = None  # the contender of this batch and when it began
         self._mode = PolicyMode(self._state)
         self._originals: dict[str, Callable[..., Any]] = {}
         self._forced: list[torch.dtype | None] = []  # a dtype for the whole step (running_in(None, ...))
@@ -242,6 +253,7 @@ class PrecisionPolicy(Callback):
         self._writer = TensorBoardWriter(trainer)
         self._measured_at = None
         self._standing_aside = False
+        self._trials = self._trial_step = None
         if stage == "fit":
             start_summary(self, trainer, self._writer)
         self._log_table(trainer.global_step)
@@ -360,6 +372,8 @@ class PrecisionPolicy(Callback):
         n = self.census_every_n_steps
         self._census_step = n > 0 and trainer.global_step % n == 0
         step = trainer.global_step
+        if self._trials is not None and self._measured_at != step:
+            self._start_trial_step(pl_module)
         if self._measured_at == step:
             return  # gradient accumulation: one measurement per optimizer step
         every = self.measure_every_n_steps
@@ -436,13 +450,24 @@ class PrecisionPolicy(Callback):
             choice = self._choose(trainer, pl_module, batch, batch_idx, measurements.rows if measurements else [],
                                   {c: d for c, (d, _) in chosen.items()}, dtypes)
             choice = trainer.strategy.broadcast(choice, src=0)
-            if choice is not None:
-                best = choice.best
-                chosen = {c: (best.table[c], f"table '{best.name}' ({best.figures()}); per class:"
-                                             f" {chosen[c][1] if c in chosen else '-'}") for c in best.table}
-        self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
+        self._per_class = chosen
         self.choice = choice
+        if choice is not None:
+            chosen = self._chosen_from(choice.chosen)
         self.measurements = measurements
+        self._apply(pl_module, chosen)
+        self._trials = None
+        if choice is not None and self.trial_rounds and len(choice.contenders()) > 1:
+            if self._compiled(trainer) or trainer.accumulate_grad_batches > 1:
+                choice.trial = "not run (" + ("TorchCompile attached: each table would recompile" if
+                                              self._compiled(trainer) else "gradient accumulation") + ")"
+            else:
+                self._trials = Trials(choice.contenders(), self.trial_rounds)
+        self._log_decision(trainer.global_step)
+
+    def _apply(self, pl_module: pl.LightningModule, chosen: dict[str, tuple[str, str]]) -> None:
+        """Run the decided dtypes from now on: op class -> (dtype name, why)."""
+        self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
         table = dict(self.table)
         table.update(dict.fromkeys(GOVERNED, "fp32"))
         table.update({c: d.dtype for c, d in self.decisions.items()})
@@ -454,6 +479,42 @@ class PrecisionPolicy(Callback):
                                 and all(t.dtype == torch.float32 for t in (*pl_module.parameters(),
                                                                            *pl_module.buffers())
                                         if t.is_floating_point()))
+
+    @staticmethod
+    def _compiled(trainer: pl.Trainer) -> bool:
+        return any(type(c).__name__ == "TorchCompile" for c in trainer.callbacks)  # type: ignore[attr-defined]
+
+    def _chosen_from(self, name: str) -> dict[str, tuple[str, str]]:
+        """The decisions for candidate ``name`` of the current choice."""
+        assert self.choice is not None
+        run = next(r for r in self.choice.runs if r.name == name)
+        return {c: (run.table[c], f"table '{run.name}' ({run.figures()}); per class:"
+                                  f" {self._per_class[c][1] if c in self._per_class else '-'}") for c in run.table}
+
+    def _start_trial_step(self, pl_module: pl.LightningModule) -> None:
+        assert self._trials is not None
+        if self._census_step:
+            self._trial_step = None  # a census step recomputes every op in fp32: not a fair sample
+            return
+        name = self._trials.next()
+        self._apply(pl_module, self._chosen_from(name))
+        _sync(pl_module.device)
+        self._trial_step = (name, time.perf_counter())
+
+    def _end_trial_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trials, taken = self._trials, self._trial_step
+        self._trial_step = None
+        if trials is None or taken is None or self.choice is None:
+            return
+        _sync(pl_module.device)
+        trials.add(taken[0], 1e3 * (time.perf_counter() - taken[1]))
+        if not trials.done:
+            return
+        # Rank zero's step times decide, so every rank trains on with the same table.
+        winner = trainer.strategy.broadcast(trials.winner(), src=0)
+        self.choice.chosen, self.choice.trial = winner, trainer.strategy.broadcast(trials.describe(), src=0)
+        self._trials = None
+        self._apply(pl_module, self._chosen_from(winner))
         self._log_decision(trainer.global_step)
 
     def _log_decision(self, step: int) -> None:
@@ -518,6 +579,7 @@ class PrecisionPolicy(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._end_trial_step(trainer, pl_module)
         log, self._speed_recorded = self._speed_recorded, None
         if log is not None:
             self._check_speed(trainer, pl_module, log)
@@ -550,6 +612,12 @@ class PrecisionPolicy(Callback):
                                                            for r in near)
         self._writer.text("opkit/precision/census", table, step)
         self._writer.flush()
+
+
+def _sync(device: torch.device) -> None:
+    # Trial steps only: a CUDA step's time is its kernels', not their launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _sci(value: float | None) -> str:
