@@ -10,6 +10,10 @@
 5. rules="auto" on the GPU: bf16 (and fp16 under 16-mixed) measured faster for GEMMs, chosen where accurate; the
    sensitivity tables of the example and GPT-2 (benchmarks/sensitivity.py --accelerator cuda).
 6. Overhead ratios on the GPU (benchmarks/overhead.py suites with --accelerator cuda), rules="auto" included.
+7. Host cost per op of autocast and of the policy's mode (benchmarks/host_cost.py): the host-bound regime of eager
+   GPU steps, where it matters most.
+8. rules="auto" at realistic width beside plain fp32 and bf16-mixed, eager and compiled
+   (benchmarks/precision_width.py: the GPT-2-style LM and the widened ViT).
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ def main() -> int:
     for suite in ("nan", "precision", "precision_auto", "profiler", "compile"):
         subprocess.run([sys.executable, script, "--suite", suite, "--accelerator", "cuda", "--reps", "3",
                         "--steps", "60"], check=False)
+    subprocess.run([sys.executable, os.path.join(here, "host_cost.py"), "--accelerator", "cuda"], check=False)
+    subprocess.run([sys.executable, os.path.join(here, "precision_width.py"), "--accelerator", "cuda", "--reps", "2",
+                    "--steps", "40", "--skip", "8"], check=False)
     print("ALL GPU CHECKS PASSED" if ok else "SOME GPU CHECKS FAILED")
     return 0 if ok else 1
 
