@@ -124,10 +124,15 @@ def test_auto_on_this_cpu_follows_the_measured_speed(tmp_path):
     assert "| matmul | bf16 |" in sensitivity and "cpu" in sensitivity and "| gemm+keep |" in sensitivity
     decision = texts["opkit/precision/decision"][0][1]
     assert f"| matmul | {policy.table['matmul']} |" in decision and "tolerance 0.01" in decision
-    assert f"chosen table '{best.name}'" in decision and "plain bf16-mixed on the same rows" in decision
+    assert f"chosen table '{best.name}'" in decision
+    autocast = choice.autocast
+    if best is not autocast and autocast.ms is not None:  # else it was predicted slower and not run, or chosen
+        assert "plain bf16-mixed on the same rows" in decision
+    else:
+        assert best is autocast or "predicted" in autocast.skipped
     lines = policy.summary_lines()
     assert any("auto, measured in" in line for line in lines)
-    assert any("plain bf16-mixed on the same rows: " in line and "grad cosine" in line for line in lines)
+    assert any(f"chosen table '{best.name}'" in line and "grad cosine" in line for line in lines)
 
 
 class Injected(PrecisionPolicy):
@@ -169,13 +174,15 @@ def test_explicit_rules_warn_once_when_a_dtype_is_measured_slower(tmp_path, recw
     slow = [str(w.message) for w in recwarn if "slower than fp32" in str(w.message)]
     matmul = policy.measurements.get("matmul", "bf16")
     assert matmul.rel_error is None  # speed only: explicit rules are not second-guessed on accuracy
+    # One warning at most, naming every slow class; the built-in table also lowers activation, which may be slow too.
+    assert len(slow) <= 1
     if matmul.speed > 1.05:
         assert len(slow) == 1 and f"bf16 matmul is {matmul.speed:.2f}x slower than fp32" in slow[0]
         assert "check_speed=False" in slow[0] and "rules='auto'" in slow[0]
         if NO_BF16_UNITS:
             assert "no native bf16 units" in slow[0]
     else:
-        assert not slow
+        assert not any("bf16 matmul is" in w for w in slow)
     recwarn.clear()
     quiet = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, check_speed=False)
     trainer(tmp_path / "quiet", [quiet], max_steps=1).fit(Probe(), make_loader())

@@ -70,14 +70,14 @@ def test_choose_table_runs_each_candidate_on_the_step_beside_autocast_and_leaves
         rows = time_classes(log, torch.device("cpu"), ["bf16"], reps=1)
         tables = candidate_tables({}, sorted({r.op_class for r in rows}))
         choice = choose_table(runner, tables, rows, tolerance=0.01, batch_rows=16)
-    assert [r.name for r in choice.runs] == list(tables)
+    assert [r.name for r in choice.runs] == [*tables, AUTOCAST]
     for run in [*choice.runs, choice.autocast]:
         if run.skipped is None:
             assert run.ms > 0 and run.loss_change is not None and 0.99 < run.grad_cosine <= 1 + 1e-6, run
     assert choice.runs[0].loss_change == 0.0 and choice.autocast.name == AUTOCAST
-    assert choice.best.within(0.01) and choice.chosen in tables
+    assert choice.best.within(0.01) and choice.chosen in [*tables, AUTOCAST]
     text = choice.table()
-    assert "| gemm+keep |" in text and f"| {AUTOCAST} |" in text and "1 row" not in text
+    assert "| gemm+keep |" in text and "| autocast | plain torch.autocast in bf16" in text and "16 row(s)" in text
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 
@@ -92,7 +92,7 @@ def test_a_table_predicted_far_slower_is_not_run():
         choice = choose_table(runner, candidate_tables({}, ["matmul", "norm", "activation"]), rows, 0.01, 8)
     gemm = next(r for r in choice.runs if r.name == "gemm+keep")
     assert gemm.ms is None and "predicted" in gemm.skipped and "slower" in gemm.skipped
-    assert choice.chosen == "fp32" and choice.autocast.ms is not None  # bf16-mixed still shown for comparison
+    assert choice.chosen == "fp32" and "predicted" in choice.autocast.skipped  # bf16 autocast as slow as bf16
 
 
 def test_first_rows_slices_every_tensor_with_the_batch_dimension():
@@ -106,17 +106,18 @@ def test_first_rows_slices_every_tensor_with_the_batch_dimension():
 class Chosen(Injected):
     """rules="auto" with the per-class measurements and the whole-step choice given: both branches anywhere."""
 
-    def __init__(self, rows, pick, others_ms=200.0, **kwargs):
+    def __init__(self, rows, pick, others_ms=200.0, autocast_ms=91.0, **kwargs):
         super().__init__(rows, **kwargs)
-        self.pick, self.others_ms = pick, others_ms
+        self.pick, self.others_ms, self.autocast_ms = pick, others_ms, autocast_ms
 
     def _choose(self, trainer, pl_module, batch, batch_idx, rows, per_class, dtypes):
         self.candidates = candidate_tables(per_class, sorted(per_class), "bf16")
         runs = [TableRun(name, table, ms=300.0 if name == "fp32" else 90.0 if name == self.pick else self.others_ms,
                          loss_change=0.0 if name == "fp32" else 1e-5, grad_cosine=1.0 if name == "fp32" else 0.9999)
                 for name, table in self.candidates.items()]
-        autocast = TableRun(AUTOCAST, {}, ms=91.0, loss_change=2e-5, grad_cosine=0.9998)
-        return StepChoice(runs, autocast, _pick(runs, self.tolerance), rows=1, seconds=0.1, tolerance=self.tolerance)
+        runs.append(TableRun(AUTOCAST, {}, ms=self.autocast_ms, loss_change=2e-5, grad_cosine=0.9998,
+                             autocast="bf16"))
+        return StepChoice(runs, _pick(runs, self.tolerance), rows=1, seconds=0.1, tolerance=self.tolerance)
 
 
 def test_auto_trains_with_the_chosen_whole_step_table(tmp_path):
@@ -239,7 +240,7 @@ def test_close_contenders_are_confirmed_on_real_training_steps(tmp_path):
             _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
     # per-class (matmul, activation bf16) 90 ms and its +keep twin and gemm+keep 95 ms: all within 25%, so they
     # contend; fp32 (300 ms) does not
-    policy = Chosen(rows, "per-class", others_ms=95.0, census_every_n_steps=0, trial_rounds=2)
+    policy = Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0, trial_rounds=2)
     trainer(tmp_path, [policy], max_steps=8).fit(model, make_loader())
     trial = policy.choice.trial
     names = ["per-class", "gemm+keep", "per-class+keep"]
@@ -265,3 +266,20 @@ def test_no_trials_under_torch_compile(tmp_path):
     policy = Chosen(rows, "gemm+keep", others_ms=95.0, census_every_n_steps=0)
     trainer(tmp_path, [policy, TorchCompile(backend="eager")], max_steps=3).fit(model, make_loader())
     assert policy.choice.chosen == "gemm+keep" and "TorchCompile attached" in policy.choice.trial
+
+
+def test_plain_autocast_is_a_candidate_and_runs_as_bf16_mixed_when_chosen(tmp_path):
+    # Where the mode's host cost makes every table slower than autocast (a host-bound GPU step), autocast wins, and
+    # the step runs exactly as under precision="bf16-mixed": the policy is never slower than that alternative.
+    rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("norm", speed=1.3, loss=None, cos=None)]
+    policy = Chosen(rows, "gemm+keep", others_ms=95.0, autocast_ms=80.0, census_every_n_steps=2, trial_rounds=0)
+    chosen = Probe()
+    trainer(tmp_path / "auto", [policy], max_steps=3).fit(chosen, make_loader())
+    plain = Probe()
+    trainer(tmp_path / "plain", [], max_steps=3, precision="bf16-mixed").fit(plain, make_loader())
+    assert policy.choice.chosen == AUTOCAST and policy._standing_aside
+    assert chosen.seen == plain.seen and chosen.seen["norm"] == BF  # CPU autocast leaves layer_norm in bf16
+    assert {d.dtype for d in policy.decisions.values()} == {"keep"}
+    assert "plain torch.autocast in bf16" in policy.summary_lines()[0]
+    assert ("matmul", "bf16") in policy.census  # census steps count what autocast ran
+    assert not torch.is_autocast_enabled("cpu")

@@ -7,7 +7,8 @@ batch, to keep it cheap): all-fp32; GEMMs in 16-bit with the precision-sensitive
 ``keep`` (run in whatever dtype their input arrives in, no cast: autocast's behaviour for them); the per-class pick;
 and the per-class pick with ``keep``. Each is timed (forward + backward) and its error measured against fp32 as a
 whole (loss change, gradient cosine), beside plain autocast (what ``precision="bf16-mixed"`` runs) on the same batch.
-The fastest table within tolerance wins; a table within :data:`TIE` of it that is closer to fp32 wins the tie.
+Plain autocast is a candidate too: the one with none of the mode's per-op host cost. The fastest candidate within
+tolerance wins; one within :data:`TIE` of it that is closer to fp32 wins the tie.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ _RETIME_WITHIN = 1.25
 #: the share of the batch the candidates run on (at least one row)
 ROWS_FRACTION = 8
 
-AUTOCAST = "bf16-mixed (autocast)"
+#: the candidate that is plain ``torch.autocast`` (what ``precision="bf16-mixed"`` runs), no policy mode
+AUTOCAST = "autocast"
 
 
 @dataclass
@@ -70,6 +72,8 @@ class TableRun:
     skipped: str | None = None
     failed: str | None = None
     samples: list[float] = field(default_factory=list)
+    #: the dtype name plain ``torch.autocast`` runs in, for the :data:`AUTOCAST` candidate (``table`` is empty)
+    autocast: str | None = None
 
     @property
     def error(self) -> float:
@@ -84,6 +88,8 @@ class TableRun:
 
     def describe(self) -> str:
         """``"matmul, attention in bf16; norm in fp32; pointwise keep"``."""
+        if self.autocast is not None:
+            return f"plain torch.autocast in {self.autocast} (bf16-mixed), no policy mode"
         by: dict[str, list[str]] = {}
         for cls in sorted(self.table, key=OP_CLASSES.index):
             by.setdefault(self.table[cls], []).append(cls)
@@ -102,8 +108,8 @@ class StepChoice:
     """The candidates, plain autocast beside them, and the table chosen.
 
     Args:
-        runs: the candidates in the order they were built.
-        autocast: plain autocast in 16-bit on the same rows (the ``bf16-mixed`` comparison).
+        runs: the candidates in the order they were built, plain autocast (:data:`AUTOCAST`) last: it is the
+            ``bf16-mixed`` comparison and a candidate too, the one with no per-op cost of the policy's mode.
         chosen: the name of the chosen candidate.
         rows: how many rows of the batch the runs used.
         seconds: what the runs cost, wall clock.
@@ -111,7 +117,6 @@ class StepChoice:
     """
 
     runs: list[TableRun]
-    autocast: TableRun | None
     chosen: str
     rows: int
     seconds: float
@@ -125,6 +130,11 @@ class StepChoice:
         """The chosen run."""
         return next(r for r in self.runs if r.name == self.chosen)
 
+    @property
+    def autocast(self) -> TableRun | None:
+        """Plain autocast's run on the same rows (the ``bf16-mixed`` comparison)."""
+        return next((r for r in self.runs if r.autocast is not None), None)
+
     def contenders(self) -> list[str]:
         """The chosen table first, then every other within tolerance and within 25% of it on the measured rows."""
         best = self.best
@@ -134,9 +144,9 @@ class StepChoice:
 
     def table(self) -> str:
         """The candidates as markdown: time, error and whether chosen, with autocast's row for comparison."""
-        runs = [*self.runs, *([self.autocast] if self.autocast is not None else [])]
+        runs = self.runs
         fastest = min((r.ms for r in runs if r.ms is not None), default=None)
-        body = [[r.name, r.describe() if r.name != AUTOCAST else "torch.autocast, no policy",
+        body = [[r.name, r.describe(),
                  "-" if r.ms is None else f"{r.ms:.1f}",
                  "-" if r.ms is None or not fastest else f"{r.ms / fastest:.3f}",
                  "-" if r.loss_change is None else f"{r.loss_change:.2e}",
@@ -152,8 +162,9 @@ class StepChoice:
         """One line: the chosen table's error beside plain autocast's, on the same batch."""
         best = self.best
         line = f"chosen table '{best.name}': {best.figures()}"
-        if self.autocast is not None and self.autocast.ms is not None:
-            line += f"; plain bf16-mixed on the same rows: {self.autocast.figures()}"
+        autocast = self.autocast
+        if autocast is not None and autocast is not best and autocast.ms is not None:
+            line += f"; plain bf16-mixed on the same rows: {autocast.figures()}"
         if self.trial:
             line += f"; confirmed on training steps: {self.trial}"
         return line
@@ -219,11 +230,12 @@ def _predicted(table: dict[str, str], speeds: dict[tuple[str, str], Measurement]
     return total
 
 
-def _timed_run(runner: StepRunner, run: TableRun, ref: tuple[Tensor, list[Tensor | None]] | None,
-               autocast: torch.dtype | None = None) -> tuple[Tensor, list[Tensor | None]] | None:
+def _timed_run(runner: StepRunner, run: TableRun,
+               ref: tuple[Tensor, list[Tensor | None]] | None) -> tuple[Tensor, list[Tensor | None]] | None:
     """Run ``run``'s table once, add a time sample and (against ``ref``) its errors; the loss and grads, or ``None``."""
     device = next((p.device for p in runner.model.parameters()), torch.device("cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    autocast = DTYPES[run.autocast] if run.autocast is not None else None
     try:
         sync()
         began = time.perf_counter()
@@ -262,7 +274,10 @@ def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Se
     began = time.perf_counter()
     speeds = {(r.op_class, r.dtype): r for r in rows}
     runs = [TableRun(name, table) for name, table in tables.items()]
-    predictions = {r.name: _predicted(r.table, speeds) for r in runs}
+    runs.append(TableRun(AUTOCAST, {}, autocast=low))
+    # Autocast lowers the GEMM classes and leaves the rest in their inputs' dtype: predicted like that table.
+    like_autocast = {c: low if c in GEMM_CLASSES else "keep" for c in runs[0].table}
+    predictions = {r.name: _predicted(r.table if r.autocast is None else like_autocast, speeds) for r in runs}
     floor = min(predictions.values(), default=0.0)
     for run in runs[1:]:
         run.predicted = predictions[run.name] / floor if floor > 0 else 1.0
@@ -271,7 +286,6 @@ def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Se
     skipped = agree({r.name: r.skipped for r in runs})
     for run in runs:
         run.skipped = skipped.get(run.name)
-    autocast = TableRun(AUTOCAST, {})
     ref = _timed_run(runner, runs[0], None)
     if ref is None:
         raise RuntimeError(f"the fp32 run of the step failed ({runs[0].failed})")
@@ -279,14 +293,13 @@ def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Se
     for run in runs[1:]:
         if run.skipped is None:
             _timed_run(runner, run, ref)
-    _timed_run(runner, autocast, ref, autocast=DTYPES[low])
-    # A second sample for the tables still in the race, in reverse order so that drift hits them alike.
+    # A second sample for the candidates still in the race, in reverse order so that drift hits them alike.
     fastest = min((r.ms for r in runs if r.within(tolerance) and r.ms is not None), default=None)
     again = [r.name for r in reversed(runs) if fastest is not None and r.within(tolerance) and r.ms is not None
              and r.ms <= _RETIME_WITHIN * fastest]
     for name in agree(again):
         _timed_run(runner, next(r for r in runs if r.name == name), None)
-    return StepChoice(runs, autocast, _pick(runs, tolerance), batch_rows, time.perf_counter() - began, tolerance)
+    return StepChoice(runs, _pick(runs, tolerance), batch_rows, time.perf_counter() - began, tolerance)
 
 
 def _pick(runs: list[TableRun], tolerance: float) -> str:

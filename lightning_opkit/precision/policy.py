@@ -177,7 +177,9 @@ class PrecisionPolicy(Callback):
         self._mode = PolicyMode(self._state)
         self._originals: dict[str, Callable[..., Any]] = {}
         self._forced: list[torch.dtype | None] = []  # a dtype for the whole step (running_in(None, ...))
-        self._standing_aside = False  # rules="auto" decided fp32 everywhere on an fp32 model
+        self._standing_aside = False  # rules="auto" decided fp32 everywhere on an fp32 model, or plain autocast
+        self._autocast: str | None = None  # rules="auto" chose plain autocast in this dtype
+        self._autocast_device = "cpu"
         self._overriding = 0  # running_in() contexts open: the mode must run
         self._patches = Patches()
         self._writer: TensorBoardWriter | None = None
@@ -253,6 +255,7 @@ class PrecisionPolicy(Callback):
         self._writer = TensorBoardWriter(trainer)
         self._measured_at = None
         self._standing_aside = False
+        self._autocast = None
         self._trials = self._trial_step = None
         if stage == "fit":
             start_summary(self, trainer, self._writer)
@@ -302,6 +305,9 @@ class PrecisionPolicy(Callback):
             head += f" (auto, measured in {seconds:.1f} s on {self.measurements.device})"
         lines = [head + ": " + "; ".join(f"{', '.join(v)} {'keep' if k == 'keep' else 'in ' + k}"
                                          for k, v in by_dtype.items())]
+        if self._autocast is not None:
+            lines[0] = (f"{head}: plain torch.autocast in {self._autocast} (what bf16-mixed runs), the fastest within"
+                        f" tolerance here; the policy's mode stands aside")
         if self.choice is not None:
             lines.append(f"  {self.choice.comparison()}")
         if self.modules:
@@ -330,14 +336,30 @@ class PrecisionPolicy(Callback):
         if self._state.module_stack:
             self._state.module_stack.pop()
 
+    def _runs_mode(self, is_training: bool) -> bool:
+        """Whether this step runs under the policy's mode (else the model runs as written, or under autocast)."""
+        if self._overriding or not self._standing_aside:
+            return True  # a NaN cause replay's fp32 region, or a table to apply
+        if self._autocast is not None:
+            return is_training and self._census_step  # census steps count what autocast ran (an all-keep table)
+        return bool(self._state.autocast_devices)  # fp32 decided, but the Trainer's autocast would lower ops
+
     def _wrap(self, trainer: pl.Trainer, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:
         state = self._state
 
         def run_step(*args: Any, **kwargs: Any) -> Any:
+            device = self._autocast_device
+            if self._autocast is not None and not torch.is_autocast_enabled(device):
+                # rules="auto" chose plain autocast: the step runs as under precision="bf16-mixed".
+                with torch.autocast(device, dtype=DTYPES[self._autocast]):
+                    return governed(*args, **kwargs)
+            return governed(*args, **kwargs)
+
+        def governed(*args: Any, **kwargs: Any) -> Any:
             state.module_stack.clear()
             state.module_stack.extend(self._forced)
             state.autocast_devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
-            if self._standing_aside and not state.autocast_devices and not self._overriding:
+            if not self._runs_mode(is_training):
                 self._census_step = False  # the policy runs nothing: nothing to count either
                 return step(*args, **kwargs)
             census = None
@@ -452,10 +474,11 @@ class PrecisionPolicy(Callback):
             choice = trainer.strategy.broadcast(choice, src=0)
         self._per_class = chosen
         self.choice = choice
-        if choice is not None:
-            chosen = self._chosen_from(choice.chosen)
         self.measurements = measurements
-        self._apply(pl_module, chosen)
+        if choice is None:
+            self._apply(pl_module, chosen)
+        else:
+            self._apply_candidate(pl_module, choice.chosen)
         self._trials = None
         if choice is not None and self.trial_rounds and len(choice.contenders()) > 1:
             if self._compiled(trainer) or trainer.accumulate_grad_batches > 1:
@@ -465,31 +488,38 @@ class PrecisionPolicy(Callback):
                 self._trials = Trials(choice.contenders(), self.trial_rounds)
         self._log_decision(trainer.global_step)
 
-    def _apply(self, pl_module: pl.LightningModule, chosen: dict[str, tuple[str, str]]) -> None:
-        """Run the decided dtypes from now on: op class -> (dtype name, why)."""
+    def _apply(self, pl_module: pl.LightningModule, chosen: dict[str, tuple[str, str]],
+               autocast: str | None = None) -> None:
+        """Run the decided dtypes from now on: op class -> (dtype name, why); or plain autocast in ``autocast``."""
+        self._autocast, self._autocast_device = autocast, pl_module.device.type
         self.decisions = {c: Decision(c, d, why) for c, (d, why) in chosen.items()}
         table = dict(self.table)
-        table.update(dict.fromkeys(GOVERNED, "fp32"))
+        # Classes the model was not seen to run: fp32, or under plain autocast whatever autocast does with them.
+        table.update(dict.fromkeys(GOVERNED, "fp32" if autocast is None else "keep"))
         table.update({c: d.dtype for c, d in self.decisions.items()})
         self.table = table
         self._state.set_table(table)
         # Nothing worth lowering on an fp32 model without autocast: the model runs as written, without the mode's
         # per-op cost (~2% of a step on the example) and without a census. NaN cause replays still enter it.
-        self._standing_aside = (not self.modules and all(table[c] == "fp32" for c in GOVERNED)
-                                and all(t.dtype == torch.float32 for t in (*pl_module.parameters(),
-                                                                           *pl_module.buffers())
-                                        if t.is_floating_point()))
+        self._standing_aside = not self.modules and (autocast is not None or (
+            all(table[c] == "fp32" for c in GOVERNED)
+            and all(t.dtype == torch.float32 for t in (*pl_module.parameters(), *pl_module.buffers())
+                    if t.is_floating_point())))
 
     @staticmethod
     def _compiled(trainer: pl.Trainer) -> bool:
         return any(type(c).__name__ == "TorchCompile" for c in trainer.callbacks)  # type: ignore[attr-defined]
 
-    def _chosen_from(self, name: str) -> dict[str, tuple[str, str]]:
-        """The decisions for candidate ``name`` of the current choice."""
+    def _apply_candidate(self, pl_module: pl.LightningModule, name: str) -> None:
+        """Run candidate ``name`` of the current choice from now on."""
         assert self.choice is not None
         run = next(r for r in self.choice.runs if r.name == name)
-        return {c: (run.table[c], f"table '{run.name}' ({run.figures()}); per class:"
-                                  f" {self._per_class[c][1] if c in self._per_class else '-'}") for c in run.table}
+        # Plain autocast leaves every class to autocast: "keep" for the policy, whose mode stands aside.
+        table = run.table or dict.fromkeys(self._per_class, "keep")
+        what = f"plain torch.autocast in {run.autocast}" if run.autocast else f"table '{run.name}'"
+        self._apply(pl_module, {c: (table[c], f"{what} ({run.figures()}); per class:"
+                                              f" {self._per_class[c][1] if c in self._per_class else '-'}")
+                                for c in table}, run.autocast)
 
     def _start_trial_step(self, pl_module: pl.LightningModule) -> None:
         assert self._trials is not None
@@ -497,7 +527,7 @@ class PrecisionPolicy(Callback):
             self._trial_step = None  # a census step recomputes every op in fp32: not a fair sample
             return
         name = self._trials.next()
-        self._apply(pl_module, self._chosen_from(name))
+        self._apply_candidate(pl_module, name)
         _sync(pl_module.device)
         self._trial_step = (name, time.perf_counter())
 
@@ -514,7 +544,7 @@ class PrecisionPolicy(Callback):
         winner = trainer.strategy.broadcast(trials.winner(), src=0)
         self.choice.chosen, self.choice.trial = winner, trainer.strategy.broadcast(trials.describe(), src=0)
         self._trials = None
-        self._apply(pl_module, self._chosen_from(winner))
+        self._apply_candidate(pl_module, winner)
         self._log_decision(trainer.global_step)
 
     def _log_decision(self, step: int) -> None:
