@@ -6,7 +6,8 @@ Two models where GEMMs dominate the step, so that a 16-bit dtype can pay off whe
   seq 256, batch 8, vocab 8192, AdamW), on random tokens;
 - ``vit``: the example ViT widened (dim 512, depth 4, MLP ratio 4, batch 256) on the digits.
 
-Variants, interleaved in one process (A B C D A' A B C D A' ...), median ms/step over the steps after ``--skip``:
+Variants, interleaved in one process (A B C D A' A B C D A' ...), median ms/step over the steps after ``--skip``
+(10: warm-up, compilation, and auto's trial steps, which train while they time each contender):
 plain ``bf16-mixed`` (twice: the A/A control), plain ``32-true``, ``PrecisionPolicy(rules="auto")`` and
 ``PrecisionPolicy()`` (the built-in table), each eager and under ``TorchCompile(modules="auto")`` (Inductor).
 For auto it prints what it chose, what choosing cost, and the chosen table's error beside bf16-mixed's.
@@ -128,7 +129,7 @@ VARIANTS = {"bf16-mixed": "precision='bf16-mixed'", "fp32": "precision='32-true'
 def suite(model_name: str, compiled: bool, args) -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     policies: list[PrecisionPolicy] = []
-    skip = args.skip + (4 if compiled else 0)  # compilation, and the recompile after auto's decision
+    skip = args.skip  # warm-up, compilation and auto's trial steps: every variant is timed on the same steps
     for _ in range(args.reps):
         for variant in VARIANTS:
             seconds, policy = run(model_name, variant.split(" ")[0], compiled, args.steps, skip)
@@ -151,6 +152,7 @@ def suite(model_name: str, compiled: bool, args) -> None:
           f" {last.measurements.device}")
     if last.choice is not None:
         print(f"  {last.choice.comparison()}")
+        print(f"  trial steps (real training steps, each contender in turn): {last.choice.trial or 'none'}")
         print("\n" + last.choice.table())
 
 
@@ -158,9 +160,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--compile", choices=["eager", "compiled", "all"], default="all")
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--steps", type=int, default=22)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--skip", type=int, default=4, help="warm-up steps left out of each median")
+    parser.add_argument("--skip", type=int, default=10,
+                        help="steps left out of each median: warm-up, and auto's trial steps (up to 8)")
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     global ACCELERATOR

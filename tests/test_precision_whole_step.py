@@ -283,3 +283,14 @@ def test_plain_autocast_is_a_candidate_and_runs_as_bf16_mixed_when_chosen(tmp_pa
     assert "plain torch.autocast in bf16" in policy.summary_lines()[0]
     assert ("matmul", "bf16") in policy.census  # census steps count what autocast ran
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_fit_that_ends_during_the_trials_keeps_the_choice_on_the_measured_rows(tmp_path):
+    model = Trialled()
+    rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("activation", speed=0.5, loss=None, cos=None),
+            _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
+    policy = Chosen(rows, "gemm+keep", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0)
+    trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())  # 2 of the 6 trial steps
+    assert policy.choice.chosen == "gemm+keep" and "not finished" in policy.choice.trial
+    assert "after 2 of 6 trial steps" in policy.choice.trial
+    assert policy.table["activation"] == "keep" and policy.decisions["activation"].dtype == "keep"

@@ -61,6 +61,9 @@ class TableRun:
         predicted: time predicted from per-class timings, as a multiple of the fastest prediction.
         skipped: why it was not run, if it was not.
         failed: why its run raised, if it did.
+        samples: every timed sample (ms); ``ms`` is the best of them.
+        autocast: for the :data:`AUTOCAST` candidate, the dtype name plain ``torch.autocast`` runs in (``table`` is
+            empty); ``None`` for a table.
     """
 
     name: str
@@ -72,7 +75,6 @@ class TableRun:
     skipped: str | None = None
     failed: str | None = None
     samples: list[float] = field(default_factory=list)
-    #: the dtype name plain ``torch.autocast`` runs in, for the :data:`AUTOCAST` candidate (``table`` is empty)
     autocast: str | None = None
 
     @property
@@ -89,7 +91,7 @@ class TableRun:
     def describe(self) -> str:
         """``"matmul, attention in bf16; norm in fp32; pointwise keep"``."""
         if self.autocast is not None:
-            return f"plain torch.autocast in {self.autocast} (bf16-mixed), no policy mode"
+            return f"plain torch.autocast in {self.autocast} ({_trainer_precision(self.autocast)}), no policy mode"
         by: dict[str, list[str]] = {}
         for cls in sorted(self.table, key=OP_CLASSES.index):
             by.setdefault(self.table[cls], []).append(cls)
@@ -164,10 +166,15 @@ class StepChoice:
         line = f"chosen table '{best.name}': {best.figures()}"
         autocast = self.autocast
         if autocast is not None and autocast is not best and autocast.ms is not None:
-            line += f"; plain bf16-mixed on the same rows: {autocast.figures()}"
+            line += f"; plain {_trainer_precision(autocast.autocast or 'bf16')} on the same rows: {autocast.figures()}"
         if self.trial:
             line += f"; confirmed on training steps: {self.trial}"
         return line
+
+
+def _trainer_precision(dtype: str) -> str:
+    """The Trainer precision that runs plain autocast in ``dtype``: ``"bf16-mixed"`` or ``"16-mixed"``."""
+    return "bf16-mixed" if dtype == "bf16" else "16-mixed"
 
 
 def first_rows(batch: Any, fraction: int = ROWS_FRACTION) -> tuple[Any, int]:

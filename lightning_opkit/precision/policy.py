@@ -283,6 +283,16 @@ class PrecisionPolicy(Callback):
             )
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trials is not None and self.choice is not None:
+            # The fit ended before every contender had its steps: the choice on the measured rows stands.
+            taken, total = self._trials.taken, len(self._trials.order)
+            self.choice.trial = f"not finished (the fit ended after {taken} of {total} trial steps)"
+            self._trials = self._trial_step = None
+            self._apply_candidate(pl_module, self.choice.chosen)
+            self._log_decision(trainer.global_step)
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             end_summary(self, trainer, self._writer)
