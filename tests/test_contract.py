@@ -70,3 +70,12 @@ def test_all_four_together(tmp_path):
     assert snapshot(model) == before
     assert [e["step"] for e in callbacks[1].events] == [2] and callbacks[1].events[0]["module"] == "body.1"
     assert callbacks[2].windows_done >= 1 and callbacks[3].watch.frames >= 1
+
+
+def test_whole_step_arguments_parse_from_the_cli():
+    parser = ArgumentParser()
+    parser.add_argument("--callbacks", type=list[Callback])
+    cfg = parser.parse_args(["--callbacks+=lightning_opkit.PrecisionPolicy", "--callbacks.rules=auto",
+                             "--callbacks.whole_step=false", "--callbacks.trial_rounds=3"])
+    policy = parser.instantiate_classes(cfg).callbacks[0]
+    assert (policy.rules, policy.whole_step, policy.trial_rounds) == ("auto", False, 3)

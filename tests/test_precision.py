@@ -261,6 +261,9 @@ def test_validation_steps_are_governed_too(tmp_path):
         (dict(default="half"), r"`default`.*'half'"),
         (dict(modules={"head": "fp64"}), r"modules\['head'\]"),
         (dict(census_every_n_steps=-1), "census_every_n_steps"),
+        (dict(rules="auto", whole_step="yes"), r"`whole_step`.*'yes'"),
+        (dict(rules="auto", trial_rounds=-1), r"`trial_rounds`.*-1"),
+        (dict(rules="auto", trial_rounds=1.5), r"`trial_rounds`.*1\.5"),
     ],
 )
 def test_bad_config(kwargs, match):
