@@ -53,6 +53,11 @@ def test_the_fastest_table_within_tolerance_wins_and_a_tie_goes_to_the_closer_to
     assert _pick(runs, 0.01) == "b"  # 7% slower is no tie
     assert _pick([_run("fp32", 100.0), _run("x", 50.0, cos=0.9)], 0.01) == "fp32"  # gradients turned: fp32
     assert _pick([_run("fp32", 100.0), TableRun("y", {}, skipped="predicted 9.0x slower")], 0.01) == "fp32"
+    # under compile, plain autocast takes a tie at the smallest error (the same numerics), and only then
+    tied = [_run("fp32", 100.0), _run("gemm+keep", 50.0, loss=1e-5), _run("autocast", 50.5, loss=1e-5, autocast="bf16")]
+    assert _pick(tied, 0.01) == "gemm+keep" and _pick(tied, 0.01, autocast_wins_ties=True) == "autocast"
+    tied[2].loss_change = 2e-5
+    assert _pick(tied, 0.01, autocast_wins_ties=True) == "gemm+keep"  # autocast further from fp32: no
 
 
 def _model():

@@ -261,7 +261,7 @@ def _timed_run(runner: StepRunner, run: TableRun,
 
 def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Sequence[Measurement],
                  tolerance: float, batch_rows: int, low: str = "bf16",
-                 agree: Callable[[Any], Any] = lambda value: value) -> StepChoice:
+                 agree: Callable[[Any], Any] = lambda value: value, compiled: bool = False) -> StepChoice:
     """Run each candidate table on the step, with plain autocast beside them, and choose the table to train with.
 
     Call it inside ``runner.session()``. The first table is all-fp32: its run is the reference for every error. A
@@ -277,6 +277,8 @@ def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Se
         low: the 16-bit dtype plain autocast runs in.
         agree: makes every rank take rank zero's value (``trainer.strategy.broadcast``): which tables run, and how
             often, so that every rank runs the same steps in lockstep (a SyncBatchNorm, a sharded model).
+        compiled: the model trains under TorchCompile: plain autocast wins a tie at the smallest error, since eager
+            times rank compiled code poorly.
     """
     began = time.perf_counter()
     speeds = {(r.op_class, r.dtype): r for r in rows}
@@ -306,13 +308,20 @@ def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Se
              and r.ms <= _RETIME_WITHIN * fastest]
     for name in agree(again):
         _timed_run(runner, next(r for r in runs if r.name == name), None)
-    return StepChoice(runs, _pick(runs, tolerance), batch_rows, time.perf_counter() - began, tolerance)
+    return StepChoice(runs, _pick(runs, tolerance, compiled), batch_rows, time.perf_counter() - began, tolerance)
 
 
-def _pick(runs: list[TableRun], tolerance: float) -> str:
+def _pick(runs: list[TableRun], tolerance: float, autocast_wins_ties: bool = False) -> str:
     good = [r for r in runs if r.within(tolerance)]
     if not good:
         return runs[0].name
     fastest = min(r.ms for r in good if r.ms is not None)
     ties = [r for r in good if r.ms is not None and r.ms <= (1 + TIE) * fastest]
+    closest = min(r.error for r in ties)
+    if autocast_wins_ties:
+        # At equal error the numerics are autocast's: its eager time on the measured rows says little about compiled
+        # code, where the casts fuse, so the obvious alternative itself is taken.
+        same = [r for r in ties if r.autocast is not None and r.error <= closest]
+        if same:
+            return same[0].name
     return min(ties, key=lambda r: (r.error, r.ms)).name

@@ -453,7 +453,8 @@ class PrecisionPolicy(Callback):
         try:
             with runner.session():
                 return choose_table(runner, tables, rows, self.tolerance, n, low,
-                                    agree=lambda value: trainer.strategy.broadcast(value, src=0))
+                                    agree=lambda value: trainer.strategy.broadcast(value, src=0),
+                                    compiled=self._compiled(trainer))
         except Exception as err:
             rank_zero_warn(f"PrecisionPolicy could not run the whole-step candidates ({type(err).__name__}: {err});"
                            f" it keeps the per-class decisions.")
