@@ -151,8 +151,7 @@ def suite(model_name: str, compiled: bool, args) -> None:
     print(f"  auto measured in {statistics.median(seconds):.2f} s (median of {len(seconds)}) on"
           f" {last.measurements.device}")
     if last.choice is not None:
-        print(f"  {last.choice.comparison()}")
-        print(f"  trial steps (real training steps, each contender in turn): {last.choice.trial or 'none'}")
+        print(f"  {last.choice.comparison()}")  # with the trial steps' times, where they ran
         print("\n" + last.choice.table())
 
 
