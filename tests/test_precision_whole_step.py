@@ -33,8 +33,8 @@ def test_candidates_cover_fp32_gemm_keep_the_pick_and_the_pick_with_keep():
     assert tables["gemm+keep"] == {"matmul": "bf16", "attention": "bf16", "norm": "fp32", "activation": "keep",
                                    "pointwise": "keep", "loss": "fp32"}
     assert tables["per-class"]["attention"] == "fp32" and tables["per-class"]["activation"] == "bf16"
-    # ``keep`` replaces fp32 only where a class is not precision-sensitive: norm and loss stay fp32
-    assert tables["per-class+keep"] == {"matmul": "bf16", "attention": "keep", "norm": "fp32", "activation": "bf16",
+    # ``keep`` replaces fp32 only where a class is neither precision-sensitive (norm, loss) nor a GEMM (attention)
+    assert tables["per-class+keep"] == {"matmul": "bf16", "attention": "fp32", "norm": "fp32", "activation": "bf16",
                                         "pointwise": "keep", "loss": "fp32"}
     # nothing lowered class by class: "per-class" is the fp32 table, and ``keep`` over nothing lowered is no candidate
     assert list(candidate_tables({}, classes)) == ["fp32", "gemm+keep"]
@@ -303,3 +303,19 @@ def test_a_fit_that_ends_during_the_trials_keeps_the_choice_on_the_measured_rows
     assert policy.choice.chosen == "gemm+keep" and "not finished" in policy.choice.trial
     assert "after 2 of 6 trial steps" in policy.choice.trial
     assert policy.table["activation"] == "keep" and policy.decisions["activation"].dtype == "keep"
+
+
+def test_no_candidate_leaves_a_gemm_to_keep_so_none_fails_on_mixed_inputs():
+    # With attention lowered and matmul fp32, a matmul left to ``keep`` met a bf16 activation and an fp32 weight
+    # ("mat1 and mat2 must have the same dtype") in GPT-2's attention output projection.
+    from zoo import build
+
+    model = build("hf_gpt2")
+    classes = ["matmul", "attention", "norm", "activation", "loss", "reduction", "pointwise", "embedding"]
+    tables = candidate_tables({"attention": "bf16"}, classes)
+    assert all(t[c] != "keep" for t in tables.values() for c in ("matmul", "attention"))
+    runner = StepRunner(model, next(iter(model.loader())), lambda m, b: m.training_step(b, 0))
+    with runner.session():
+        choice = choose_table(runner, tables, [], 0.01, 1)
+    assert [(r.name, r.failed) for r in choice.runs if r.failed] == []
+    assert all(r.ms is not None for r in choice.runs)

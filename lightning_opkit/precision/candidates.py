@@ -212,7 +212,9 @@ def candidate_tables(per_class: dict[str, str], classes: Sequence[str], low: str
     fp32 = dict.fromkeys(classes, "fp32")
     gemm = {c: low if c in GEMM_CLASSES else "fp32" if c in SENSITIVE_CLASSES else "keep" for c in classes}
     pick = {c: per_class.get(c, "fp32") for c in classes}
-    pick_keep = {c: "keep" if d == "fp32" and c not in SENSITIVE_CLASSES else d for c, d in pick.items()}
+    # Never ``keep`` for a GEMM: a matmul does not promote mixed inputs (a bf16 activation, an fp32 weight) and fails.
+    pick_keep = {c: "keep" if d == "fp32" and c not in SENSITIVE_CLASSES and c not in GEMM_CLASSES else d
+                 for c, d in pick.items()}
     out: dict[str, dict[str, str]] = {}
     for name, table in (("fp32", fp32), ("gemm+keep", gemm), ("per-class", pick), ("per-class+keep", pick_keep)):
         lowers = any(d not in ("fp32", "keep") for d in table.values())

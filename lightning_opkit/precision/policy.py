@@ -498,6 +498,9 @@ class PrecisionPolicy(Callback):
             else:
                 self._trials = Trials(choice.contenders(), self.trial_rounds)
         self._log_decision(trainer.global_step)
+        if self._writer is not None and measurements is not None:
+            seconds = measurements.seconds + (choice.seconds if choice is not None else 0.0)
+            self._writer.scalar("opkit/precision/measure_s", seconds, trainer.global_step)
 
     def _apply(self, pl_module: pl.LightningModule, chosen: dict[str, tuple[str, str]],
                autocast: str | None = None) -> None:
@@ -577,8 +580,6 @@ class PrecisionPolicy(Callback):
         if self.choice is not None:
             evidence += "\n\n" + self.choice.table()
         self._writer.text("opkit/precision/decision", head + evidence, step)
-        seconds = measurements.seconds + (self.choice.seconds if self.choice is not None else 0.0)
-        self._writer.scalar("opkit/precision/measure_s", seconds, step)
         self._log_table(step)
         self._writer.flush()
 
