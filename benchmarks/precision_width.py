@@ -147,7 +147,7 @@ def suite(model_name: str, compiled: bool, args) -> None:
     print(f"  auto / faster of fp32 and bf16-mixed ({best}): {med['auto'] / med[best]:.3f} (target <= 1.02);"
           f" A/A {med['bf16-mixed (A/A)'] / med['bf16-mixed']:.3f}")
     last = policies[-1]
-    seconds = [p.measurements.seconds + (p.choice.seconds if p.choice else 0.0) for p in policies if p.measurements]
+    seconds = [p.measure_seconds for p in policies if p.measurements]
     print(f"  auto measured in {statistics.median(seconds):.2f} s (median of {len(seconds)}) on"
           f" {last.measurements.device}")
     if last.choice is not None:

@@ -167,6 +167,7 @@ def test_auto_re_measures_every_n_steps(tmp_path):
     scalars, _ = read_events(str(tmp_path))
     assert [s for s, _ in scalars["opkit/precision/measure_s"]] == [0, 2, 4]
     assert all(v > 0 for _, v in scalars["opkit/precision/measure_s"])
+    assert scalars["opkit/precision/measure_s"][-1][1] == pytest.approx(policy.measure_seconds, rel=1e-6)
 
 
 def test_explicit_rules_warn_once_when_a_dtype_is_measured_slower(tmp_path, recwarn):

@@ -185,6 +185,13 @@ class PrecisionPolicy(Callback):
         self._writer: TensorBoardWriter | None = None
 
     @property
+    def measure_seconds(self) -> float:
+        """What the last ``rules="auto"`` measurement cost at fit start: per-class timing plus the candidate runs."""
+        if self.measurements is None:
+            return 0.0
+        return self.measurements.seconds + (self.choice.seconds if self.choice is not None else 0.0)
+
+    @property
     def auto(self) -> bool:
         """Whether the dtypes are measured and decided (``rules="auto"``)."""
         return self.rules == "auto"
@@ -311,8 +318,7 @@ class PrecisionPolicy(Callback):
                 by_dtype.setdefault(self.table[cls], []).append(cls)
         head = "precision policy"
         if self.auto and self.measurements is not None:
-            seconds = self.measurements.seconds + (self.choice.seconds if self.choice is not None else 0.0)
-            head += f" (auto, measured in {seconds:.1f} s on {self.measurements.device})"
+            head += f" (auto, measured in {self.measure_seconds:.1f} s on {self.measurements.device})"
         lines = [head + ": " + "; ".join(f"{', '.join(v)} {'keep' if k == 'keep' else 'in ' + k}"
                                          for k, v in by_dtype.items())]
         if self._autocast is not None:
@@ -499,8 +505,7 @@ class PrecisionPolicy(Callback):
                 self._trials = Trials(choice.contenders(), self.trial_rounds)
         self._log_decision(trainer.global_step)
         if self._writer is not None and measurements is not None:
-            seconds = measurements.seconds + (choice.seconds if choice is not None else 0.0)
-            self._writer.scalar("opkit/precision/measure_s", seconds, trainer.global_step)
+            self._writer.scalar("opkit/precision/measure_s", self.measure_seconds, trainer.global_step)
 
     def _apply(self, pl_module: pl.LightningModule, chosen: dict[str, tuple[str, str]],
                autocast: str | None = None) -> None:
