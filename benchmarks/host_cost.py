@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from lightning_opkit.precision.dtypes import GOVERNED, NEVER_CAST  # noqa: E402
-from lightning_opkit.precision.mode import ModeState, PolicyMode  # noqa: E402
+from lightning_opkit.precision.function_mode import ModeState, PolicyMode  # noqa: E402
 from lightning_opkit.precision.policy import DEFAULT_RULES  # noqa: E402
 
 BLOCKS = 50

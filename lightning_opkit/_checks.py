@@ -75,3 +75,22 @@ def check_fraction(name: str, value: Any, what: str = "") -> None:
     """
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
         raise ValueError(f"Expected `{name}` to be a number in [0, 1){f' ({what})' if what else ''}, but got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...] | list[Any], what: str = "") -> None:
+    """Raise unless ``value`` is one of ``choices``.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        choices: the valid values.
+        what: what else is allowed, for the message (``" or None"``).
+
+    Example:
+        >>> check_choice("action", "ignore", ("raise", "skip"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `action` to be one of ['raise', 'skip'], but got 'ignore'
+    """
+    if not isinstance(value, (str, int, float, type(None))) or value not in choices:
+        raise ValueError(f"Expected `{name}` to be one of {list(choices)}{what}, but got {value!r}")

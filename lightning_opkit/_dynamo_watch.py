@@ -6,6 +6,7 @@ every change it makes when closed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -84,10 +85,8 @@ class DynamoWatch:
             return
         for remove, fn in ((torch._dynamo.callback_handler.remove_start_callback, self._on_start),
                            (torch._dynamo.callback_handler.remove_end_callback, self._on_end)):
-            try:
+            with contextlib.suppress(ValueError):  # never registered: watch() failed half-way
                 remove(fn)
-            except ValueError:
-                pass
         logger = logging.getLogger(_RECOMPILES_LOGGER)
         logger.removeHandler(self._handler)
         if self._logger_state is not None:

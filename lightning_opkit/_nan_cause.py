@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_opkit._nan_locate import floats
+from lightning_opkit._nan_report import Cause, Origin
 from lightning_opkit._replay import autocast_off_in, run_step, set_rng_state
 
 __all__ = ["diagnose"]
@@ -24,52 +25,50 @@ __all__ = ["diagnose"]
 StepLoss = Callable[[bool], Callable[[], Tensor | None]]
 
 
-def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: dict[str, Any], named: dict[str, nn.Module],
-             policies: list[Any], batch_idx: int) -> dict[str, Any]:
-    """``{"cause", "advice"}`` for the fault ``found`` (a localization report), from two replays.
+def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, named: dict[str, nn.Module],
+             policies: list[Any], batch_idx: int) -> Cause:
+    """The :class:`~lightning_opkit._nan_report.Cause` of the fault ``found`` (a localization), from two replays.
 
     Args:
         step_loss: builds the replayed step's loss.
         model: the LightningModule.
         rng: the RNG state the step started from.
-        found: the localization report (``module``, ``phase``).
+        found: where the localization replay saw it.
         named: ``named_modules()`` of the model.
         policies: the PrecisionPolicy callbacks attached (their ``running_in`` puts the culprit in fp32).
         batch_idx: the batch's index, for the advice.
     """
-    path = found["module"]
+    path = found.module
     culprit = named.get(path) if path else None
     where = f"module {path!r}" if culprit is not None else "the whole step"
     again, failure = _non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=True)
     if failure is None and not again:
         again, failure = _non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=False)
         if failure is None and not again:
-            return {"cause": "transient",
-                    "advice": "not reproduced by a second replay as is: non-deterministic code or hardware"}
+            return Cause("transient", "not reproduced by a second replay as is: non-deterministic code or hardware")
         if failure is None:
             fix = (f"PrecisionPolicy(modules={{{path!r}: 'fp32'}})" if culprit is not None
                    else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")
-            return {"cause": "precision", "advice": f"finite with {where} in fp32, non-finite as is: try {fix}"}
+            return Cause("precision", f"finite with {where} in fp32, non-finite as is: try {fix}")
     if failure is not None:
-        return {"cause": "unknown", "advice": f"a replay to tell the cause failed ({failure}), so it was not observed"}
-    return {"cause": "data_or_model",
-            "advice": f"non-finite with {where} in fp32 too: check batch {batch_idx}'s data and the model's numerics"
-                      f" (learning rate, log/division of zero, initialization)"}
+        return Cause("unknown", f"a replay to tell the cause failed ({failure}), so it was not observed")
+    return Cause("data_or_model", f"non-finite with {where} in fp32 too: check batch {batch_idx}'s data and the"
+                                  f" model's numerics (learning rate, log/division of zero, initialization)")
 
 
-def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: dict[str, Any],
+def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin,
                       culprit: nn.Module | None, policies: list[Any], fp32: bool) -> tuple[bool, str | None]:
     """Replay the micro-batch (the culprit, else the whole step, in fp32 if asked).
 
     Returns ``(fault there again?, why the replay failed or None)``.
     """
-    from lightning_opkit.precision.mode import fp32_inside
+    from lightning_opkit.precision.function_mode import fp32_inside
 
     set_rng_state(rng)
     compute_loss = step_loss(not (fp32 and culprit is None))
     outputs: list[Tensor] = []
     with contextlib.ExitStack() as stack:
-        if culprit is not None and found["phase"] == "forward":
+        if culprit is not None and found.phase == "forward":
             # First of its forward hooks: it sees the fp32 outputs before they are cast back for the next modules.
             handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(floats(out)), prepend=True)
             stack.callback(handle.remove)
@@ -80,13 +79,13 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: di
                 stack.enter_context(fp32_inside(culprit))  # its own weights too, where they are 16-bit
             stack.enter_context(autocast_off_in(culprit))
         try:
-            loss, grads = run_step(model, compute_loss, backward=found["phase"] == "backward")
+            loss, grads = run_step(model, compute_loss, backward=found.phase == "backward")
         except Exception as err:  # the step failing in a replay: the fault can be neither seen nor ruled out
             first = (str(err).splitlines() or [""])[0][:160]
             warnings.warn(f"NaNDetector: a cause replay failed ({type(err).__name__}: {first})", stacklevel=3)
             return True, f"{type(err).__name__}: {first}"
-    if found["phase"] == "forward" and culprit is not None:
+    if found.phase == "forward" and culprit is not None:
         return not all(bool(t.isfinite().all()) for t in outputs), None
-    if found["phase"] == "backward":
+    if found.phase == "backward":
         return not all(bool(g.isfinite().all()) for g in grads if g is not None), None
     return loss is not None and not bool(loss.float().isfinite().all()), None

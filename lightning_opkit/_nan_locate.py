@@ -19,8 +19,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_opkit._nan_report import Origin
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import preserved, replaying_scope
+from lightning_opkit._replay import preserved, replaying_scope, set_rng_state
 from lightning_opkit.opclass import classify_function, classify_module
 
 
@@ -29,34 +30,43 @@ def floats(value: Any) -> list[Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
 
 
-def _stats(tensors: list[Tensor], masks_ok: bool = False) -> Tensor:
-    """``[bad, nan count, inf count, finite min, finite max, finite abs-max]`` on the device.
+@dataclass(frozen=True)
+class Stats:
+    """Finiteness of some tensors, read by name: whether any value is bad, NaN and Inf counts, the finite range."""
+
+    bad: bool
+    nan: int
+    inf: int
+    min: float
+    max: float
+    absmax: float
+
+
+_NO_TENSORS = Stats(False, 0, 0, float("nan"), float("nan"), float("nan"))
+
+
+def _stats(tensors: list[Tensor], masks_ok: bool = False) -> Stats:
+    """The :class:`Stats` of ``tensors`` (a replay's hook: it may sync).
 
     ``bad`` is any non-finite value; with ``masks_ok`` only NaN and ``+inf`` count, because ``-inf`` is how attention
     masks say "never" (``nn.Transformer.generate_square_subsequent_mask``) and is finite in effect after a softmax.
     """
     if not tensors:
-        return torch.tensor([0.0, 0.0, 0.0, float("nan"), float("nan"), float("nan")])
+        return _NO_TENSORS
     rows = []
     for t in tensors:
         t = t.detach().float()
         finite = t.isfinite()
         nan = t.isnan()
         bad = (nan | (t == torch.inf)) if masks_ok else ~finite
-        rows.append(
-            torch.stack(
-                [
-                    bad.any().float(),
-                    nan.sum().float(),
-                    t.isinf().sum().float(),
-                    torch.where(finite, t, torch.inf).amin(),
-                    torch.where(finite, t, -torch.inf).amax(),
-                    torch.where(finite, t.abs(), -torch.inf).amax(),
-                ]
-            ).cpu()
-        )
-    s = torch.stack(rows)
-    return torch.stack([s[:, 0].amax(), s[:, 1].sum(), s[:, 2].sum(), s[:, 3].amin(), s[:, 4].amax(), s[:, 5].amax()])
+        rows.append(torch.stack([
+            bad.any().float(), nan.sum().float(), t.isinf().sum().float(),
+            torch.where(finite, t, torch.inf).amin(), torch.where(finite, t, -torch.inf).amax(),
+            torch.where(finite, t.abs(), -torch.inf).amax(),
+        ]))
+    s = torch.stack(rows).cpu()
+    return Stats(bool(s[:, 0].amax() > 0), int(s[:, 1].sum()), int(s[:, 2].sum()), float(s[:, 3].amin()),
+                 float(s[:, 4].amax()), float(s[:, 5].amax()))
 
 
 class _OpsByModule(TorchFunctionMode):
@@ -79,8 +89,8 @@ class _Record:
     name: str
     module: nn.Module | None
     dtype: str
-    inputs: Tensor  # stats of inputs (forward) / grad_output (backward)
-    outputs: Tensor  # stats of output (forward) / grad_input or parameter grad (backward)
+    inputs: Stats  # of inputs (forward) / grad_output (backward)
+    outputs: Stats  # of output (forward) / grad_input or parameter grad (backward)
 
 
 @dataclass
@@ -168,12 +178,12 @@ class Recorder:
 
     def forward_origin(self) -> _Record | None:
         """The first module whose output is non-finite while its inputs were finite."""
-        return next((r for r in self.fwd if r.outputs[0] > 0 and r.inputs[0] == 0), None)
+        return next((r for r in self.fwd if r.outputs.bad and not r.inputs.bad), None)
 
     def backward_origin(self) -> _Record | None:
         """The first module whose input-gradient went non-finite from a finite output-gradient, else a parameter."""
-        origin = next((r for r in self.bwd if r.kind == "module" and r.outputs[0] > 0 and r.inputs[0] == 0), None)
-        return origin or next((r for r in self.bwd if r.kind == "param" and r.outputs[0] > 0), None)
+        origin = next((r for r in self.bwd if r.kind == "module" and r.outputs.bad and not r.inputs.bad), None)
+        return origin or next((r for r in self.bwd if r.kind == "param" and r.outputs.bad), None)
 
 
 def _owner(param_name: str, named: dict[str, nn.Module]) -> tuple[str, nn.Module | None]:
@@ -222,9 +232,8 @@ def replay(
     return recorder, None if loss is None else loss.detach()
 
 
-def describe(record: _Record, named: dict[str, nn.Module], phase: str,
-             recorder: Recorder | None = None) -> dict[str, Any]:
-    """Turn a record into the report fields of a module (or parameter) origin.
+def describe(record: _Record, named: dict[str, nn.Module], phase: str, recorder: Recorder | None = None) -> Origin:
+    """The :class:`~lightning_opkit._nan_report.Origin` of a module (or parameter) record.
 
     Args:
         record: the origin found by a :class:`Recorder`.
@@ -237,19 +246,51 @@ def describe(record: _Record, named: dict[str, nn.Module], phase: str,
         parameter: str | None = record.name
     else:
         path, module, parameter = record.name, record.module, None
-    stats = record.inputs.tolist()
-    out = record.outputs.tolist()
-    return {
-        "phase": phase,
-        "module": path,
-        "module_type": type(module).__name__ if module is not None else "-",
-        "op_class": recorder.op_class(module) if recorder is not None else (
-            classify_module(module) if module is not None else "other"),
-        "parameter": parameter,
-        "dtype": record.dtype,
-        "nan": int(out[1]),
-        "inf": int(out[2]),
-        "input_min": stats[3],
-        "input_max": stats[4],
-        "input_absmax": stats[5],
-    }
+    op_class = recorder.op_class(module) if recorder is not None else (
+        classify_module(module) if module is not None else "other")
+    return Origin(phase, path, type(module).__name__ if module is not None else "-", op_class, parameter,
+                  record.dtype, record.outputs.nan, record.outputs.inf, record.inputs.min, record.inputs.max,
+                  record.inputs.absmax)
+
+
+def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any, *,
+           modules: list[tuple[str, nn.Module]], forward: bool, backward: bool, loss: bool) -> Origin | None:
+    """Replay one micro-batch with hooks and name where its first non-finite value came from (``None``: not seen).
+
+    The forward origin wins, then the loss, then the backward origin. A replay that fails (the user's step raising
+    under hooks) is retried with parameters alone watched in backward, then warned about.
+
+    Args:
+        model: the root module.
+        compute_loss: runs the step's forward and returns the loss.
+        rng: the RNG state the micro-batch started from (set before each replay).
+        modules: ``(path, module)`` pairs to hook.
+        forward: look for a forward origin.
+        backward: look for a backward origin.
+        loss: report a non-finite loss whose forward was finite.
+    """
+    named = dict(model.named_modules())
+    recorder = replayed = None
+    failure: Exception | None = None
+    # Full backward hooks refuse models that modify a hooked output in place (ReLU(inplace=True));
+    # then parameters alone are watched in backward.
+    for module_backward in (True, False):
+        set_rng_state(rng)
+        try:
+            recorder, replayed = replay(model, compute_loss, modules=modules, forward=forward, backward=backward,
+                                        module_backward=module_backward)
+            break
+        except Exception as err:  # the user's step itself may fail too: report without a module
+            failure = err
+    if recorder is None:
+        warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {failure}",
+                      stacklevel=3)
+        return None
+    origin = recorder.forward_origin() if forward else None
+    if origin is not None:
+        return describe(origin, named, "forward", recorder)
+    if replayed is not None and not bool(replayed.float().isfinite().all()) and (loss or not forward):
+        return Origin("loss", "", type(model).__name__, "loss", None, str(replayed.dtype).replace("torch.", ""),
+                      int(replayed.isnan().sum()), int(replayed.isinf().sum()))
+    origin = recorder.backward_origin() if backward else None
+    return describe(origin, named, "backward", recorder) if origin is not None else None

@@ -109,6 +109,24 @@ class TensorBoardWriter:
         if self._writer is not None:
             self._writer.add_scalar(tag, float(value), global_step=step)
 
+    def scalars(self, prefix: str, values: dict[str, float | None], step: int) -> None:
+        """Write a group of scalars under one prefix; ``None`` values (not measured) are left out.
+
+        Args:
+            prefix: the tags' common head, ``opkit/<area>``.
+            values: tag tail -> a Python number or ``None``.
+            step: the global step.
+
+        Example:
+            >>> import tempfile
+            >>> writer = TensorBoardWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
+            >>> writer.scalars("opkit/nan", {"events": 0, "skipped_steps": 0, "not_measured": None}, step=0)
+            >>> writer.close()
+        """
+        for name, value in values.items():
+            if value is not None:
+                self.scalar(f"{prefix}/{name}", value, step)
+
     def text(self, tag: str, markdown: str, step: int) -> None:
         """Write markdown text (a table or a report) for TensorBoard's text plugin.
 

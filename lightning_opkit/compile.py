@@ -19,8 +19,6 @@ from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_globs
 from lightning_opkit._dynamo_watch import DynamoWatch, recompile_table
-from lightning_opkit._modes import standing_aside
-from lightning_opkit._modules import resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._regions import (
     REGION_HEADERS,
@@ -31,7 +29,9 @@ from lightning_opkit._regions import (
     recompile_limit,
     strip_compile_prefix,
 )
+from lightning_opkit._select import resolve_modules
 from lightning_opkit._summary import end_summary, start_summary
+from lightning_opkit._suspend import suspending_backend
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 
 __all__ = ["TorchCompile"]
@@ -99,7 +99,7 @@ def _backend(name: str, mode: str | None, options: dict[str, Any] | None,
         backend: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:
         backend = torch._TorchCompileWrapper(name, mode, options, dynamic)
-    return standing_aside(backend)
+    return suspending_backend(backend)
 
 
 def _stance() -> str:

@@ -193,7 +193,7 @@ def full_state(trainer, pl_module) -> dict:
     }
 
 
-def same_state(a, b) -> list[str]:
+def state_differences(a, b) -> list[str]:
     """Names of what differs (bit for bit) between two :func:`full_state` results."""
 
     def walk(x, y, path):

@@ -14,5 +14,6 @@ def test_overhead_harness_prints_ratios_with_an_a_a_control():
     rows = re.findall(r"^\s+(.+?)\s+([\d.]+) ms/step\s+ratio vs no callback: ([\d.]+)$", out, re.M)
     assert [r[0] for r in rows] == ["no callback", "NaNDetector (every step)", "detect_anomaly=True",
                                     "no callback (A/A control)"]
-    assert float(rows[0][2]) == 1.0 and all(float(r[1]) > 0 for r in rows)
+    assert float(rows[0][2]) == 1.0
+    assert all(float(r[1]) > 0 for r in rows)
     assert "NaNDetector / detect_anomaly:" in out

@@ -8,7 +8,7 @@ from helpers import make_loader, read_events, snapshot, trainer
 from torch import nn
 
 from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, TorchCompile
-from lightning_opkit._modules import glob_match
+from lightning_opkit._select import glob_match
 
 
 @torch._dynamo.register_backend(name="opkit_test_failing")
@@ -71,7 +71,8 @@ def test_state_dict_keys_and_checkpoints_are_those_of_the_plain_model(tmp_path):
     ckpt = os.path.join(tmp_path, "compiled.ckpt")
     t.save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=False)["state_dict"]
-    assert list(state) == plain_keys and not any("_orig_mod" in k for k in state)
+    assert list(state) == plain_keys
+    assert not any("_orig_mod" in k for k in state)
     plain = Blocks.load_from_checkpoint(ckpt)
     x = torch.randn(5, 8)
     assert torch.equal(plain(x), model(x))
@@ -83,9 +84,11 @@ def test_regional_compiles_each_block_and_reports(tmp_path):
     model = Blocks()
     trainer(tmp_path, [cb], max_steps=4).fit(model, make_loader())
     assert cb.compiled == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]  # not blocks.0.norm etc.
-    assert cb.watch.frames >= 1 and cb.watch.compiles == 1  # four blocks, one code object, one compile
+    assert cb.watch.frames >= 1
+    assert cb.watch.compiles == 1
     scalars, texts = read_events(str(tmp_path))
-    assert scalars["opkit/compile/compiles"][-1][1] == 1 and scalars["opkit/compile/compile_time_s"][-1][1] > 0
+    assert scalars["opkit/compile/compiles"][-1][1] == 1
+    assert scalars["opkit/compile/compile_time_s"][-1][1] > 0
     assert scalars["opkit/compile/step_time_ms"][-1][1] > 0
     assert "blocks.0, blocks.1" in texts["opkit/compile/config"][0][1]
     assert "forward" not in vars(model.blocks[0])
@@ -95,7 +98,8 @@ def test_graph_breaks_are_reported_with_reasons(tmp_path):
     cb = TorchCompile(backend="eager")
     trainer(tmp_path, [cb], max_steps=2).fit(Blocks(graph_break=True), make_loader())
     breaks = cb.watch.graph_breaks()
-    assert sum(breaks.values()) >= 1 and any("graph_break()" in r for r in breaks)
+    assert sum(breaks.values()) >= 1
+    assert any("graph_break()" in r for r in breaks)
     scalars, texts = read_events(str(tmp_path))
     assert scalars["opkit/compile/graph_breaks"][-1][1] == sum(breaks.values())
     assert "| reason | count |" in texts["opkit/compile/graph_break_reasons"][-1][1]
@@ -111,9 +115,11 @@ def test_validation_shapes_recompile_a_bounded_number_of_times(tmp_path):
     assert scalars["opkit/compile/recompiles"][-1][1] == len(cb.watch.recompile_reasons)
     table = texts["opkit/compile/recompile_reasons"][-1][1]
     rows = [line for line in table.splitlines()[2:]]
-    assert table.startswith("| function | guard that failed | count |") and "| forward (" in table
-    assert len(rows) == len(set(rows)) and sum(int(r.rsplit("|", 2)[1]) for r in rows) == len(
-        cb.watch.recompile_reasons)  # deduplicated, with counts
+    assert table.startswith("| function | guard that failed | count |")
+    assert "| forward (" in table
+    assert len(rows) == len(set(rows))
+    assert sum(int(r.rsplit("|", 2)[1]) for r in rows) == len(
+        cb.watch.recompile_reasons)
 
 
 def test_fallback_warns_once_and_trains_eagerly(tmp_path):
@@ -123,7 +129,8 @@ def test_fallback_warns_once_and_trains_eagerly(tmp_path):
     with pytest.warns(UserWarning, match="compilation failed.*always fails") as record:
         trainer(tmp_path, [cb], max_steps=3).fit(model, make_loader())
     assert sum("compilation failed" in str(w.message) for w in record) == 1
-    assert model.global_step == 3 and "always fails" in cb.error
+    assert model.global_step == 3
+    assert "always fails" in cb.error
     scalars, texts = read_events(str(tmp_path))
     assert scalars["opkit/compile/eager_fallback"] == [(0, 1.0)]
     assert "always fails" in texts["opkit/compile/error"][0][1]
@@ -164,7 +171,9 @@ def test_inductor_compiles_for_real(tmp_path):
     cb = TorchCompile(modules=["blocks.*"])  # inductor, the default
     model = Blocks(depth=2)
     trainer(tmp_path, [cb], max_steps=3).fit(model, make_loader())
-    assert cb.watch.compiles >= 1 and cb.error is None and cb.watch.compile_time_s > 0
+    assert cb.watch.compiles >= 1
+    assert cb.error is None
+    assert cb.watch.compile_time_s > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -212,7 +221,8 @@ def test_precision_policy_mode_is_traced_into_the_compiled_graph(tmp_path):
     cb = TorchCompile(backend="eager")
     trainer(tmp_path, [PrecisionPolicy(census_every_n_steps=0), cb], max_steps=3).fit(Probe(), make_loader())
     assert seen["out"] == torch.bfloat16  # the head matmul ran in the policy's bf16, compiled
-    assert cb.watch.frames >= 1 and cb.error is None
+    assert cb.watch.frames >= 1
+    assert cb.error is None
 
 
 @pytest.mark.parametrize(
@@ -257,8 +267,11 @@ def test_policy_module_override_hooks_apply_inside_compiled_regions(tmp_path):
     policy = PrecisionPolicy(modules={"blocks.0.fc": "fp32"}, census_every_n_steps=0)
     cb = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer(tmp_path, [cb, policy], max_steps=2).fit(model, make_loader())
-    assert seen_in_graph[model.blocks[0].fc] == torch.float32 and seen_in_graph[model.blocks[1].fc] == torch.bfloat16
-    assert seen["fc0"] == torch.float32 and cb.watch.frames >= 1 and not cb.watch.graph_breaks()
+    assert seen_in_graph[model.blocks[0].fc] == torch.float32
+    assert seen_in_graph[model.blocks[1].fc] == torch.bfloat16
+    assert seen["fc0"] == torch.float32
+    assert cb.watch.frames >= 1
+    assert not cb.watch.graph_breaks()
 
 
 def test_hooks_added_after_compilation_are_honoured(tmp_path):
@@ -275,7 +288,8 @@ def test_hooks_added_after_compilation_are_honoured(tmp_path):
 
     t.callbacks.append(AddHookMidway())
     t.fit(model, make_loader())
-    assert calls == [2, 3] and torch._dynamo.config.skip_nnmodule_hook_guards is True  # restored after fit
+    assert calls == [2, 3]
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is True
 
 
 def test_policy_census_counts_ops_inside_compiled_regions(tmp_path):
@@ -283,7 +297,8 @@ def test_policy_census_counts_ops_inside_compiled_regions(tmp_path):
     cb = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer(tmp_path, [policy, cb], max_steps=4).fit(Blocks(depth=4), make_loader())
     assert policy.census[("matmul", "bf16")]["calls"] == 6  # inp, four compiled blocks' fc, head
-    assert policy.census[("norm", "fp32")]["calls"] == 4 and cb.error is None
+    assert policy.census[("norm", "fp32")]["calls"] == 4
+    assert cb.error is None
     assert len(cb.watch.recompile_reasons) <= 1  # eager census steps do not churn the compiled code
 
 
@@ -304,7 +319,9 @@ def test_auto_finds_and_compiles_the_blocks_of_every_zoo_model(tmp_path, name):
     else:
         trainer(tmp_path, [compiler], max_steps=2).fit(model, model.loader())
         assert compiler.watch.frames > 0
-    assert compiler.compiled == expected and len(expected) >= 2 and compiler.error is None
+    assert compiler.compiled == expected
+    assert len(expected) >= 2
+    assert compiler.error is None
     _, texts = read_events(str(tmp_path))
     assert expected[0] in texts["opkit/compile/config"][0][1]
 
@@ -337,12 +354,17 @@ def test_per_region_figures_and_measured_speedup(tmp_path):
     trainer(tmp_path, [compiler], max_steps=4).fit(Blocks(depth=2), make_loader())
     first, second = compiler.regions["blocks.0"], compiler.regions["blocks.1"]
     assert first.calls == second.calls == 4
-    assert first.compiles >= 1 and first.compile_time_s > 0 and first.graphs >= 1
+    assert first.compiles >= 1
+    assert first.compile_time_s > 0
+    assert first.graphs >= 1
     assert second.compiles <= 1  # the same code object: compiled once for the first block (+1 for requires_grad)
-    assert first.speedup is not None and first.speedup > 0 and second.speedup is not None
+    assert first.speedup is not None
+    assert first.speedup > 0
+    assert second.speedup is not None
     _, texts = read_events(str(tmp_path))
     table = texts["opkit/compile/regions"][-1][1]
-    assert "| blocks.0 | 4 |" in table and "speedup (eager/compiled)" in table
+    assert "| blocks.0 | 4 |" in table
+    assert "speedup (eager/compiled)" in table
 
 
 class Scaled(nn.Module):
@@ -376,11 +398,13 @@ def test_recompile_guard_fires_at_half_the_limit(tmp_path, action):
         run.fit(model, make_loader())
     versions = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(compiler.regions["blocks.0"].code))
     if action == "eager":
-        assert versions == 4 and all(r.eager for r in compiler.regions.values())
+        assert versions == 4
+        assert all(r.eager for r in compiler.regions.values())
         scalars, _ = read_events(str(tmp_path))
         assert scalars["opkit/compile/eager_regions"][-1][1] == 7
     else:
-        assert versions == 7 and not any(r.eager for r in compiler.regions.values())
+        assert versions == 7
+        assert not any(r.eager for r in compiler.regions.values())
 
 
 def test_checkpoints_with_orig_mod_keys_load(tmp_path):

@@ -42,8 +42,8 @@ def test_cli_rejects_a_bad_value_naming_it(name, capsys):
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--callbacks", type=list[Callback])
     with pytest.raises(Exception, match=bad[0]):
-        cfg = parser.parse_args([f"--callbacks+=lightning_opkit.{name}", f"--callbacks.{bad[0]}={bad[1]}"])
-        parser.instantiate_classes(cfg)
+        parser.instantiate_classes(
+            parser.parse_args([f"--callbacks+=lightning_opkit.{name}", f"--callbacks.{bad[0]}={bad[1]}"]))
 
 
 @pytest.mark.parametrize("name", list(CALLBACKS))
@@ -59,7 +59,8 @@ def test_two_fits_double_teardown_and_an_untouched_model(tmp_path, name):
     callback.teardown(t, model, "fit")
     callback.on_exception(t, model, RuntimeError("again"))
     assert snapshot(model) == before
-    assert torch._C._len_torch_function_stack() == 0 and not torch.autograd.profiler._is_profiler_enabled
+    assert torch._C._len_torch_function_stack() == 0
+    assert not torch.autograd.profiler._is_profiler_enabled
 
 
 def test_all_four_together(tmp_path):
@@ -68,8 +69,10 @@ def test_all_four_together(tmp_path):
     before = snapshot(model)
     trainer(tmp_path, callbacks, max_steps=6).fit(model, make_loader())
     assert snapshot(model) == before
-    assert [e["step"] for e in callbacks[1].events] == [2] and callbacks[1].events[0]["module"] == "body.1"
-    assert callbacks[2].windows_done >= 1 and callbacks[3].watch.frames >= 1
+    assert [e["step"] for e in callbacks[1].events] == [2]
+    assert callbacks[1].events[0]["module"] == "body.1"
+    assert callbacks[2].windows_done >= 1
+    assert callbacks[3].watch.frames >= 1
 
 
 def test_whole_step_arguments_parse_from_the_cli():

@@ -43,8 +43,11 @@ def test_profiler_and_compile_under_ddp(tmp_path, ranks):
     r0, r1 = run_two_ranks(SCRIPT, tmp_path, ranks)
     # compiled inside the DDP wrapper on both ranks, identical weights, plain checkpoint keys, undone at teardown
     assert r0["compiled"] == r1["compiled"] == ["blocks.0", "blocks.1"]
-    assert r0["frames"] >= 1 and r1["frames"] >= 1 and r0["weights"] == r1["weights"]
-    assert not any(r0["compiled_after"]) and not any("_orig_mod" in k or "module." in k for k in r0["keys"])
+    assert r0["frames"] >= 1
+    assert r1["frames"] >= 1
+    assert r0["weights"] == r1["weights"]
+    assert not any(r0["compiled_after"])
+    assert not any("_orig_mod" in k or "module." in k for k in r0["keys"])
     # windows at batches 2 and 4: rank zero only by default, each rank its own files with all_ranks
     assert r0["trace_files"] == ["rank0.3.pt.trace.json.gz", "rank0.5.pt.trace.json.gz"]
     assert r1["trace_files"] == ([] if ranks == "zero" else ["rank1.3.pt.trace.json.gz", "rank1.5.pt.trace.json.gz"])
@@ -60,24 +63,34 @@ def test_all_four_callbacks_under_ddp_with_a_nan_on_one_rank(tmp_path, regional)
     r0, r1 = run_two_ranks(ZOO_SCRIPT, tmp_path, regional)
     # Rank 1 alone saw the NaN: both ranks skipped the same step, named the same module, and kept identical weights.
     assert r0["events"] == r1["events"] == [[2, "forward", "model.encoder.layers.1.linear1", 1]]
-    assert r0["skipped"] == r1["skipped"] == 1 and r0["global_step"] == r1["global_step"] == 5
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["global_step"] == r1["global_step"] == 5
     assert r0["weights"] == r1["weights"]
     # Compiled what was asked, not Lightning's training_step through the DDP wrapper; the policy traced in.
     for r in (r0, r1):
-        assert r["error"] is None and r["frames"] >= 1 and r["graphs"] >= 1, r
-        assert ("matmul:bf16" in r["census"] and "norm:fp32" in r["census"]), r
+        assert r["error"] is None, r
+        assert r["frames"] >= 1, r
+        assert r["graphs"] >= 1, r
+        assert "matmul:bf16" in r["census"], r
+        assert "norm:fp32" in r["census"], r
     if regional == "whole":
         assert r0["graph_breaks"] <= 2, r0  # DDP's forward redirection must not put training_step under dynamo
-    assert r0["windows"] == 2 and r1["windows"] == 0
+    assert r0["windows"] == 2
+    assert r1["windows"] == 0
 
 
 def test_auto_precision_runs_rank_zeros_decisions_on_every_rank(tmp_path):
     r0, r1 = run_two_ranks(ZOO_SCRIPT, tmp_path, "auto")
     # rank 1 measured everything 10x faster in bf16 and would have lowered it all; it runs rank zero's table
-    assert r1["own"]["matmul"] == "bf16" and r0["table"] == r1["table"]
-    assert r0["chosen"] == r1["chosen"] and all(r1["table"][c] == d for c, d in r0["chosen"].items())
+    assert r1["own"]["matmul"] == "bf16"
+    assert r0["table"] == r1["table"]
+    assert r0["chosen"] == r1["chosen"]
+    assert all(r1["table"][c] == d for c, d in r0["chosen"].items())
     assert r0["events"] == r1["events"] == [[2, "forward", "model.encoder.layers.1.linear1", 1]]
-    assert r0["weights"] == r1["weights"] and r0["error"] is None and r0["frames"] >= 1
+    assert r0["weights"] == r1["weights"]
+    assert r0["error"] is None
+    assert r0["frames"] >= 1
     scalars, texts = read_events(str(tmp_path / "lightning_logs"))
-    assert "opkit/precision/sensitivity" in texts and [s for s, _ in scalars["opkit/precision/measure_s"]] == [0]
+    assert "opkit/precision/sensitivity" in texts
+    assert [s for s, _ in scalars["opkit/precision/measure_s"]] == [0]
 

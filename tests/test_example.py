@@ -13,7 +13,9 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "c
 
 def test_digits_ship_with_the_package():
     images, labels = load_digits_tensors()
-    assert images.shape == (1797, 1, 8, 8) and 0.0 <= images.min() and images.max() <= 1.0
+    assert images.shape == (1797, 1, 8, 8)
+    assert images.min() >= 0.0
+    assert images.max() <= 1.0
     assert set(labels.tolist()) == set(range(10))
 
 
@@ -33,17 +35,23 @@ def test_config_trains_with_every_callback_and_logs(tmp_path):
                 "--trainer.callbacks.init_args.backend", "eager"], run=False)
     opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
     assert [type(c).__name__ for c in opkit] == names
-    assert opkit[0].rules == "auto" and opkit[0].modules == {"model.head": "fp32"}
-    assert opkit[1].action == "skip" and opkit[3].backend == "eager"
+    assert opkit[0].rules == "auto"
+    assert opkit[0].modules == {"model.head": "fp32"}
+    assert opkit[1].action == "skip"
+    assert opkit[3].backend == "eager"
     opkit[2].every_n_steps = 5  # a window inside 12 steps
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 12
     scalars, texts = read_events(str(tmp_path))
-    assert "train/loss" in scalars and "opkit/precision/matmul/calls" in scalars
-    assert "opkit/profiler/step_time_ms" in scalars and "opkit/compile/compiles" in scalars
-    assert "opkit/precision/policy" in texts and "opkit/precision/decision" in texts
+    assert "train/loss" in scalars
+    assert "opkit/precision/matmul/calls" in scalars
+    assert "opkit/profiler/step_time_ms" in scalars
+    assert "opkit/compile/compiles" in scalars
+    assert "opkit/precision/policy" in texts
+    assert "opkit/precision/decision" in texts
     sensitivity = texts["opkit/precision/sensitivity"][0][1]
-    assert "| matmul | bf16 |" in sensitivity and "| attention |" not in sensitivity  # the ViT writes its attention
+    assert "| matmul | bf16 |" in sensitivity
+    assert "| attention |" not in sensitivity
     assert set(opkit[0].decisions) == {"matmul", "conv", "norm", "softmax", "activation", "loss", "reduction",
                                        "pointwise"}
     assert DigitsDataModule().batch_size == 64
@@ -59,7 +67,9 @@ def test_short_class_names_and_a_dtype_typo_fails_at_parse_time(tmp_path, capsys
     opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
     assert [type(c).__name__ for c in opkit] == ["NaNDetector", "PrecisionPolicy", "PrecisionPolicy"]
     # each flag binds to the one before it
-    assert opkit[0].action == "skip" and opkit[1].rules == {"matmul": "fp32"} and opkit[2].rules == "auto"
+    assert opkit[0].action == "skip"
+    assert opkit[1].rules == {"matmul": "fp32"}
+    assert opkit[2].rules == "auto"
     with pytest.raises(SystemExit):
         main(["--trainer.callbacks+=PrecisionPolicy", "--trainer.callbacks.init_args.rules={matmul: bf61}"],
              run=False)

@@ -32,7 +32,8 @@ def test_raise_names_module_phase_and_step(tmp_path, where):
     assert detector.events == [report]
     assert snapshot(model) == before  # cleaned up on the exception path
     _, texts = read_events(str(tmp_path))
-    assert "opkit/nan/report" in texts and module in texts["opkit/nan/report"][0][1]
+    assert "opkit/nan/report" in texts
+    assert module in texts["opkit/nan/report"][0][1]
 
 
 def test_forward_report_has_module_type_dtype_and_input_range(tmp_path):
@@ -41,9 +42,11 @@ def test_forward_report_has_module_type_dtype_and_input_range(tmp_path):
         trainer(tmp_path, [detector], max_steps=4).fit(TinyNet(forward_steps=(1,)), make_loader())
     r = info.value.report
     assert (r["module_type"], r["dtype"], r["nan"], r["inf"]) == ("Poison", "float32", 1, 0)
-    assert r["input_min"] < 0 < r["input_max"] and r["input_absmax"] == max(-r["input_min"], r["input_max"])
+    assert r["input_min"] < 0 < r["input_max"]
+    assert r["input_absmax"] == max(-r["input_min"], r["input_max"])
     text = str(info.value)
-    assert "'body.1' (Poison" in text and "forward" in text
+    assert "'body.1' (Poison" in text
+    assert "forward" in text
 
 
 def test_inf_in_forward_is_counted_as_inf(tmp_path):
@@ -84,7 +87,9 @@ def test_skip_leaves_weights_and_optimizer_state_bit_identical(tmp_path, where):
         for k, v in state.items():
             assert torch.equal(v, seen["opt_after"][pid][k])
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert detector.skipped_steps == 1 and len(detector.events) == 1 and detector.events[0]["step"] == 2
+    assert detector.skipped_steps == 1
+    assert len(detector.events) == 1
+    assert detector.events[0]["step"] == 2
     scalars, _ = read_events(str(tmp_path))
     assert scalars["opkit/nan/events"] == [(2, 1.0), (5, 1.0)]  # at the event, then at the epoch's end
     assert scalars["opkit/nan/skipped_steps"] == [(2, 1.0), (5, 1.0)]
@@ -116,7 +121,8 @@ def test_warn_skips_and_warns(tmp_path):
     detector = NaNDetector(action="warn")
     with pytest.warns(UserWarning, match="body.3"):
         trainer(tmp_path, [detector], max_steps=4).fit(model, make_loader())
-    assert detector.skipped_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert detector.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_stop_ends_training_after_logging(tmp_path):
@@ -124,7 +130,8 @@ def test_stop_ends_training_after_logging(tmp_path):
     t = trainer(tmp_path, [detector], max_steps=6)
     model = TinyNet(loss_steps=(2,))
     t.fit(model, make_loader())
-    assert t.global_step == 3 and t.should_stop
+    assert t.global_step == 3
+    assert t.should_stop
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert read_events(str(tmp_path))[0]["opkit/nan/events"] == [(2, 1.0), (3, 1.0)]
 
@@ -177,7 +184,8 @@ def test_bf16_mixed(tmp_path):
     with pytest.raises(NonFiniteError) as info:
         trainer(tmp_path, [NaNDetector()], max_steps=4, precision="bf16-mixed").fit(
             TinyNet(forward_steps=(1,)), make_loader())
-    assert info.value.report["module"] == "body.1" and info.value.report["dtype"] == "bfloat16"
+    assert info.value.report["module"] == "body.1"
+    assert info.value.report["dtype"] == "bfloat16"
 
 
 def test_state_survives_checkpoint_resume(tmp_path):
@@ -202,7 +210,8 @@ def test_clean_run_logs_zero_counters_and_leaves_no_hooks(tmp_path):
     trainer(tmp_path, [NaNDetector(), Spy()], max_steps=3).fit(model, make_loader())
     assert counts == [0, 0, 0]
     scalars, texts = read_events(str(tmp_path))
-    assert scalars["opkit/nan/events"] == [(3, 0.0)] and "opkit/nan/report" not in texts
+    assert scalars["opkit/nan/events"] == [(3, 0.0)]
+    assert "opkit/nan/report" not in texts
 
 
 DDP_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_nan_script.py")
@@ -239,7 +248,8 @@ def test_under_a_grad_scaler_gradient_overflow_is_left_to_the_scaler(tmp_path):
     trainer(tmp_path, [detector, Spy()], max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")]).fit(
         model, make_loader())
     # the scaler skipped step 2 (no raise, no event) and so did the per-step schedule
-    assert detector.events == [] and lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
+    assert detector.events == []
+    assert lrs == pytest.approx([0.05, 0.025, 0.025, 0.0125])
     assert all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(NonFiniteError, match="loss"):
         trainer(tmp_path, [NaNDetector()], max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")]).fit(

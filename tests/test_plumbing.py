@@ -7,8 +7,8 @@ from helpers import TinyNet, make_loader, read_events
 from torch import nn
 
 from examples.vit import TinyViT
-from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
+from lightning_opkit._select import match_rule, resolve_modules
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 
 
@@ -64,7 +64,9 @@ def test_star_is_one_component_and_double_star_any_number():
     model = TinyViT(depth=2)
     assert [n for n, _ in resolve_modules(model, ["blocks.*"])] == ["blocks.0", "blocks.1"]
     deep = [n for n, _ in resolve_modules(model, ["blocks.**"])]
-    assert "blocks.0.attn" in deep and "blocks" in deep and len(deep) > 3
+    assert "blocks.0.attn" in deep
+    assert "blocks" in deep
+    assert len(deep) > 3
     assert [n for n, _ in resolve_modules(model, ["**.attn"])] == ["blocks.0.attn", "blocks.1.attn"]
 
 
@@ -86,4 +88,5 @@ def test_patches_restore_idempotently():
     assert torch.equal(module(torch.ones(1, 2)), torch.ones(1, 2))
     patches.restore()
     patches.restore()
-    assert "forward" not in vars(module) and not module._forward_hooks
+    assert "forward" not in vars(module)
+    assert not module._forward_hooks

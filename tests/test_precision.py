@@ -67,7 +67,8 @@ def test_default_table_gives_the_same_dtypes_under_every_trainer_precision(tmp_p
 def test_without_policy_autocast_decides(tmp_path):
     model = Probe()
     trainer(tmp_path, [], max_steps=1, precision="bf16-mixed").fit(model, make_loader())
-    assert model.seen["norm"] == BF and model.seen["softmax"] == BF  # CPU autocast keeps neither in fp32
+    assert model.seen["norm"] == BF
+    assert model.seen["softmax"] == BF
 
 
 def test_class_rules_and_module_overrides(tmp_path):
@@ -83,7 +84,8 @@ def test_innermost_module_rule_wins(tmp_path):
     policy = PrecisionPolicy(rules={"matmul": "fp32"}, modules={"inner": "fp32", "inner.0": "bf16"})
     trainer(tmp_path, [policy], max_steps=1).fit(model, make_loader())
     assert (model.seen["inner"], model.seen["head"]) == (BF, FP)
-    assert policy.dtype_for("matmul", "inner.0") == "bf16" and policy.dtype_for("matmul") == "fp32"
+    assert policy.dtype_for("matmul", "inner.0") == "bf16"
+    assert policy.dtype_for("matmul") == "fp32"
 
 
 def test_gradients_reach_every_parameter(tmp_path):
@@ -97,7 +99,10 @@ def test_gradients_reach_every_parameter(tmp_path):
     trainer(tmp_path, [PrecisionPolicy(), Spy()], max_steps=1).fit(model, make_loader())
     assert set(grads) == {n for n, _ in model.named_parameters()}
     for name, grad in grads.items():
-        assert grad is not None and grad.dtype == FP and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+        assert grad is not None, name
+        assert grad.dtype == FP, name
+        assert torch.isfinite(grad).all(), name
+        assert grad.abs().sum() > 0, name
 
 
 def test_census_in_tensorboard_matches_the_activations(tmp_path):
@@ -108,23 +113,30 @@ def test_census_in_tensorboard_matches_the_activations(tmp_path):
     steps = [s for s, _ in scalars["opkit/precision/norm/calls"]]
     assert steps == [1, 3]  # census at global steps 0 and 2, logged after their optimizer step
     norm = policy.census[("norm", "fp32")]
-    assert norm["calls"] == 1 and norm["rel_error"] is None and norm["headroom_bits"] is None
+    assert norm["calls"] == 1
+    assert norm["rel_error"] is None
+    assert norm["headroom_bits"] is None
     assert norm["absmax"] == pytest.approx(model.peaks["norm"], rel=1e-6) or norm["absmax"] <= model.peaks["norm"]
     # bf16 has fp32's range: no headroom figure; its risk is lost mantissa, measured against fp32 recomputes
     matmul = policy.census[("matmul", "bf16")]
-    assert matmul["calls"] == 3 and not matmul["override"]  # body, a @ w, inner.0 (head is overridden to fp32)
-    assert 1e-4 < matmul["rel_error"] < 2e-2 and matmul["underflow_frac"] == 0.0
-    assert policy.census[("matmul", "fp32")]["override"] and policy.census[("matmul", "fp32")]["calls"] == 1
+    assert matmul["calls"] == 3
+    assert not matmul["override"]
+    assert 1e-4 < matmul["rel_error"] < 2e-2
+    assert matmul["underflow_frac"] == 0.0
+    assert policy.census[("matmul", "fp32")]["override"]
+    assert policy.census[("matmul", "fp32")]["calls"] == 1
     assert scalars["opkit/precision/matmul/rel_error"][-1][1] == pytest.approx(matmul["rel_error"], rel=1e-5)
     assert "opkit/precision/matmul/underflow_frac" in scalars
     assert not [t for t in scalars if t.endswith("headroom_bits")]  # nothing ran in fp16
     assert not [t for t in scalars if t.startswith(("opkit/precision/norm/rel", "opkit/precision/loss/rel"))]
     table = texts["opkit/precision/census"][-1][1]
-    assert "| matmul | bf16 | class rule (bf16) | 3 |" in table and "| matmul | fp32 | module override | 1 |" in table
+    assert "| matmul | bf16 | class rule (bf16) | 3 |" in table
+    assert "| matmul | fp32 | module override | 1 |" in table
     body = [line for line in table.splitlines()[2:] if line.startswith("| ")]
     errors = [line.split(" | ")[4] for line in body]
     known = [float(e) for e in errors if e != "-"]
-    assert known == sorted(known, reverse=True) and errors.index("-") == len(known)  # riskiest first
+    assert known == sorted(known, reverse=True)
+    assert errors.index("-") == len(known)
     assert "| softmax | fp32 |" in texts["opkit/precision/policy"][0][1]
 
 
@@ -137,11 +149,14 @@ def test_census_error_and_underflow_against_an_fp32_recompute():
     rows = {(r.dtype, r.override): r for r in census.rows()}
     half, bf = rows[("fp16", False)], rows[("bf16", True)]
     expected = float((x.half().float() - x).norm() / x.norm())
-    assert half.rel_error == pytest.approx(expected, rel=1e-5) and bf.rel_error > 0
+    assert half.rel_error == pytest.approx(expected, rel=1e-5)
+    assert bf.rel_error > 0
     assert half.underflow_frac == pytest.approx(2 / 6)  # 1e-6 is fp16-subnormal, 1e-9 flushes to zero; 0 was zero
-    assert bf.underflow_frac == 0.0 and bf.headroom_bits is None
+    assert bf.underflow_frac == 0.0
+    assert bf.headroom_bits is None
     assert half.headroom_bits == pytest.approx(math.log2(65504 / 3.140625), rel=1e-4)
-    assert rows[("fp32", False)].rel_error is None and rows[("fp32", False)].calls == 1
+    assert rows[("fp32", False)].rel_error is None
+    assert rows[("fp32", False)].calls == 1
 
 
 class Tiny(pl.LightningModule):
@@ -166,15 +181,18 @@ def test_fp16_census_charts_headroom_and_underflow(tmp_path):
     trainer(tmp_path, [policy], max_steps=1, plugins=[plugin]).fit(model, make_loader())
     scalars, _ = read_events(str(tmp_path))
     matmul = policy.census[("matmul", "fp16")]
-    assert matmul["underflow_frac"] > 0 and matmul["headroom_bits"] > 10
-    assert "opkit/precision/matmul/headroom_bits" in scalars and "opkit/precision/norm/headroom_bits" not in scalars
+    assert matmul["underflow_frac"] > 0
+    assert matmul["headroom_bits"] > 10
+    assert "opkit/precision/matmul/headroom_bits" in scalars
+    assert "opkit/precision/norm/headroom_bits" not in scalars
 
 
 def test_census_off_records_nothing(tmp_path):
     policy = PrecisionPolicy(census_every_n_steps=0)
     trainer(tmp_path, [policy], max_steps=2).fit(Probe(), make_loader())
     scalars, _ = read_events(str(tmp_path))
-    assert not [t for t in scalars if t.startswith("opkit/precision")] and policy.census == {}
+    assert not [t for t in scalars if t.startswith("opkit/precision")]
+    assert policy.census == {}
 
 
 def test_near_overflow_warns_for_half_classes(tmp_path):
@@ -232,12 +250,14 @@ def test_model_untouched_after_teardown_and_after_an_exception(tmp_path):
     model = Probe()
     before = snapshot(model)
     trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp32"})], max_steps=1).fit(model, make_loader())
-    assert snapshot(model) == before and torch._C._len_torch_function_stack() == 0
+    assert snapshot(model) == before
+    assert torch._C._len_torch_function_stack() == 0
     failing = Probe(fail_at=1)
     before = snapshot(failing)
     with pytest.raises(RuntimeError, match="boom"):
         trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp32"})], max_steps=3).fit(failing, make_loader())
-    assert snapshot(failing) == before and torch._C._len_torch_function_stack() == 0
+    assert snapshot(failing) == before
+    assert torch._C._len_torch_function_stack() == 0
     assert "training_step" not in vars(failing)
 
 
@@ -250,7 +270,8 @@ def test_validation_steps_are_governed_too(tmp_path):
     model = Val()
     trainer(tmp_path, [PrecisionPolicy()], max_steps=1, limit_val_batches=1, val_check_interval=1).fit(
         model, make_loader(), make_loader(n=8))
-    assert model.seen["norm"] == FP and model.seen["linear"] == BF
+    assert model.seen["norm"] == FP
+    assert model.seen["linear"] == BF
 
 
 @pytest.mark.parametrize(
@@ -287,7 +308,8 @@ def test_does_not_invent_a_validation_step(tmp_path):
     model = Probe()
     t = trainer(tmp_path, [PrecisionPolicy(), Spy()], max_steps=2, limit_val_batches=1, val_check_interval=1)
     t.fit(model, make_loader(), make_loader(n=8))
-    assert seen == [False, False] and "validation_step" not in vars(model)
+    assert seen == [False, False]
+    assert "validation_step" not in vars(model)
     assert t.fit_loop.epoch_loop.val_loop.batch_progress.total.completed == 0
 
 

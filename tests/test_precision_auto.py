@@ -34,9 +34,12 @@ def test_decide_takes_the_fastest_accurate_dtype_and_says_why_not_otherwise():
     assert {c: d.dtype for c, d in got.items()} == {
         "matmul": "fp32", "conv": "bf16", "attention": "fp16", "norm": "fp32", "softmax": "fp32",
         "activation": "fp32", "loss": "fp32", "pointwise": "fp32"}
-    assert "11.20x slower" in got["matmul"].reason and "2.50x faster" in got["conv"].reason
-    assert "3.00e-02 > tolerance 0.01" in got["norm"].reason and "cosine 0.95000" in got["softmax"].reason
-    assert "no kernel" in got["loss"].reason and "error not measured" in got["pointwise"].reason
+    assert "11.20x slower" in got["matmul"].reason
+    assert "2.50x faster" in got["conv"].reason
+    assert "3.00e-02 > tolerance 0.01" in got["norm"].reason
+    assert "cosine 0.95000" in got["softmax"].reason
+    assert "no kernel" in got["loss"].reason
+    assert "error not measured" in got["pointwise"].reason
     assert decide(rows, tolerance=0.05)["norm"].dtype == "bf16"  # a looser tolerance lets it through
     assert decide(rows, dtypes=("bf16",))["attention"].dtype == "bf16"  # fp16 only when offered (loss scaling)
 
@@ -44,7 +47,8 @@ def test_decide_takes_the_fastest_accurate_dtype_and_says_why_not_otherwise():
 def test_decide_ignores_savings_nobody_would_notice():
     rows = [_row("matmul", speed=0.5, fp32_ms=100.0), _row("reduction", speed=0.5, fp32_ms=0.5)]
     got = decide(rows)
-    assert got["matmul"].dtype == "bf16" and got["reduction"].dtype == "fp32"
+    assert got["matmul"].dtype == "bf16"
+    assert got["reduction"].dtype == "fp32"
     assert "would save 0.250 of 100.50 ms" in got["reduction"].reason
 
 
@@ -70,16 +74,24 @@ def test_measure_precision_on_a_plain_module_leaves_no_trace():
                               loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
     after = _state(model)
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])  # BatchNorm statistics included
-    assert after[1] == [None] * len(after[1]) and torch.equal(before[2], after[2])
+    assert after[1] == [None] * len(after[1])
+    assert torch.equal(before[2], after[2])
     assert {"matmul", "norm", "activation", "loss"} <= set(table.classes)
     with torch.no_grad():
         fp32_loss = float(nn.functional.cross_entropy(model.train()(batch[0]), batch[1]))
     assert table.loss == pytest.approx(fp32_loss, rel=1e-3)  # dropout's mask differs; BN batch stats do not
     for row in table:
-        assert row.failed is None and row.speed > 0 and row.fp32_ms > 0 and row.calls >= 1
-        assert 0 < row.rel_error < 0.05 and row.loss_change < 0.1 and 0.9 < row.grad_cosine <= 1 + 1e-6
+        assert row.failed is None
+        assert row.speed > 0
+        assert row.fp32_ms > 0
+        assert row.calls >= 1
+        assert 0 < row.rel_error < 0.05
+        assert row.loss_change < 0.1
+        assert 0.9 < row.grad_cosine <= 1 + 1e-6
     text = table.table({"matmul": "fp32"})
-    assert text.startswith("Measured in ") and "| matmul | bf16 |" in text and "| no |" in text
+    assert text.startswith("Measured in ")
+    assert "| matmul | bf16 |" in text
+    assert "| no |" in text
 
 
 def test_measure_precision_refuses_a_model_without_a_loss_and_bad_arguments():
@@ -109,12 +121,14 @@ def test_auto_on_this_cpu_follows_the_measured_speed(tmp_path):
     best = choice.best
     # The fastest table within tolerance, or one within 2% of it that is closer to fp32 (its own figures say so).
     good = [r for r in choice.runs if r.within(policy.tolerance)]
-    assert best in good and best.ms <= 1.02 * min(r.ms for r in good)
+    assert best in good
+    assert best.ms <= 1.02 * min(r.ms for r in good)
     assert all(r.error >= best.error for r in good if r.ms <= 1.02 * min(g.ms for g in good))
     # plain autocast chosen: every class left to autocast ("keep")
     assert {c: d.dtype for c, d in policy.decisions.items()} == (best.table or dict.fromkeys(policy.decisions, "keep"))
     if NO_BF16_UNITS:  # AVX2 only: bf16 GEMMs are emulated and far slower, so no lowered table is even run
-        assert best.name == "fp32" and all(r.skipped for r in choice.runs[1:] if "matmul" in r.table)
+        assert best.name == "fp32"
+        assert all(r.skipped for r in choice.runs[1:] if "matmul" in r.table)
     fixed = {cls: policy.table[cls] for cls in ("matmul", "norm", "softmax", "loss") if policy.table[cls] != "keep"}
     seen = {"matmul": model.seen["matmul"], "norm": model.seen["norm"], "softmax": model.seen["softmax"],
             "loss": model.seen["loss"]}
@@ -122,9 +136,12 @@ def test_auto_on_this_cpu_follows_the_measured_speed(tmp_path):
         c: seen[c] for c in fixed}
     _, texts = read_events(str(tmp_path))
     sensitivity = texts["opkit/precision/sensitivity"][0][1]
-    assert "| matmul | bf16 |" in sensitivity and "cpu" in sensitivity and "| gemm+keep |" in sensitivity
+    assert "| matmul | bf16 |" in sensitivity
+    assert "cpu" in sensitivity
+    assert "| gemm+keep |" in sensitivity
     decision = texts["opkit/precision/decision"][0][1]
-    assert f"| matmul | {policy.table['matmul']} |" in decision and "tolerance 0.01" in decision
+    assert f"| matmul | {policy.table['matmul']} |" in decision
+    assert "tolerance 0.01" in decision
     assert f"chosen table '{best.name}'" in decision
     autocast = choice.autocast
     if best is not autocast and autocast.ms is not None:  # else it was predicted slower and not run, or chosen
@@ -179,8 +196,10 @@ def test_explicit_rules_warn_once_when_a_dtype_is_measured_slower(tmp_path, recw
     # One warning at most, naming every slow class; the built-in table also lowers activation, which may be slow too.
     assert len(slow) <= 1
     if matmul.speed > 1.05:
-        assert len(slow) == 1 and f"bf16 matmul is {matmul.speed:.2f}x slower than fp32" in slow[0]
-        assert "check_speed=False" in slow[0] and "rules='auto'" in slow[0]
+        assert len(slow) == 1
+        assert f"bf16 matmul is {matmul.speed:.2f}x slower than fp32" in slow[0]
+        assert "check_speed=False" in slow[0]
+        assert "rules='auto'" in slow[0]
         if NO_BF16_UNITS:
             assert "no native bf16 units" in slow[0]
     else:
@@ -188,7 +207,8 @@ def test_explicit_rules_warn_once_when_a_dtype_is_measured_slower(tmp_path, recw
     recwarn.clear()
     quiet = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, check_speed=False)
     trainer(tmp_path / "quiet", [quiet], max_steps=1).fit(Probe(), make_loader())
-    assert quiet.measurements is None and not [w for w in recwarn if "slower than fp32" in str(w.message)]
+    assert quiet.measurements is None
+    assert not [w for w in recwarn if "slower than fp32" in str(w.message)]
 
 
 def test_measurement_leaves_the_training_run_unchanged(tmp_path):
@@ -232,7 +252,8 @@ def test_manual_optimization_is_not_measured_twice_stepped(tmp_path):
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
     with pytest.warns(UserWarning, match="manual optimization"):
         trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
-    assert model.steps_taken == 3 and policy.measurements is None  # measuring would have stepped the optimizer
+    assert model.steps_taken == 3
+    assert policy.measurements is None
     assert {policy.table[c] for c in ("matmul", "norm", "loss")} == {"fp32"}
 
 
@@ -255,8 +276,11 @@ def test_a_failing_measurement_warns_and_training_goes_on_in_fp32(tmp_path):
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
     with pytest.warns(UserWarning, match="could not measure this model \\(RuntimeError: a user invariant\\).*fp32"):
         trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
-    assert model.trainer.global_step == 2 and policy.measurements is None and policy.decisions == {}
-    assert model.seen["matmul"] == torch.float32 and model.seen["norm"] == torch.float32
+    assert model.trainer.global_step == 2
+    assert policy.measurements is None
+    assert policy.decisions == {}
+    assert model.seen["matmul"] == torch.float32
+    assert model.seen["norm"] == torch.float32
 
 
 def test_a_lowered_run_that_fails_is_that_rows_failure_and_fp32():
@@ -271,7 +295,9 @@ def test_a_lowered_run_that_fails_is_that_rows_failure_and_fp32():
     table = measure_precision(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), lambda: torch.randn(4, 8),
                               loss_fn=loss_fn)
     failed = [r for r in table if r.failed]
-    assert len(failed) == 1 and "no kernel for this" in failed[0].failed and failed[0].speed is not None
+    assert len(failed) == 1
+    assert "no kernel for this" in failed[0].failed
+    assert failed[0].speed is not None
     assert decide(table)[failed[0].op_class].dtype == "fp32"
     assert all(r.grad_cosine is not None for r in table if not r.failed)
 
@@ -289,7 +315,8 @@ def test_auto_with_nothing_to_lower_stands_aside_and_the_model_runs_as_written(t
     model = WrittenInBf16()
     auto = Injected([_row("matmul", speed=2.0), _row("norm", speed=1.5)], census_every_n_steps=3)
     trainer(tmp_path, [auto], max_steps=2).fit(model, make_loader())
-    assert set(auto.table[c] for c in auto.decisions) == {"fp32"} and auto._standing_aside
+    assert set(auto.table[c] for c in auto.decisions) == {"fp32"}
+    assert auto._passthrough
     assert model.seen["explicit"] == torch.bfloat16  # not upcast: the policy found nothing worth lowering
     assert auto.census == {}  # it ran nothing, so it counts nothing (census steps included)
     assert any("stands aside" in line for line in auto.summary_lines())

@@ -26,5 +26,7 @@ def test_compiled_regions_follow_a_decision_taken_after_they_were_compiled(tmp_p
     policy = Changing([], measure_every_n_steps=2, census_every_n_steps=0, whole_step=False)
     compiler = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer(tmp_path, [policy, compiler], max_steps=4).fit(model, make_loader(n=48))
-    assert compiler.watch.frames > 0 and compiler.error is None and policy.table["pointwise"] == "bf16"
+    assert compiler.watch.frames > 0
+    assert compiler.error is None
+    assert policy.table["pointwise"] == "bf16"
     assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]  # the residual add, per step

@@ -32,7 +32,8 @@ def test_candidates_cover_fp32_gemm_keep_the_pick_and_the_pick_with_keep():
     assert set(tables["fp32"].values()) == {"fp32"}
     assert tables["gemm+keep"] == {"matmul": "bf16", "attention": "bf16", "norm": "fp32", "activation": "keep",
                                    "pointwise": "keep", "loss": "fp32"}
-    assert tables["per-class"]["attention"] == "fp32" and tables["per-class"]["activation"] == "bf16"
+    assert tables["per-class"]["attention"] == "fp32"
+    assert tables["per-class"]["activation"] == "bf16"
     # ``keep`` replaces fp32 only where a class is neither precision-sensitive (norm, loss) nor a GEMM (attention)
     assert tables["per-class+keep"] == {"matmul": "bf16", "attention": "fp32", "norm": "fp32", "activation": "bf16",
                                         "pointwise": "keep", "loss": "fp32"}
@@ -55,7 +56,8 @@ def test_the_fastest_table_within_tolerance_wins_and_a_tie_goes_to_the_closer_to
     assert _pick([_run("fp32", 100.0), TableRun("y", {}, skipped="predicted 9.0x slower")], 0.01) == "fp32"
     # under compile, plain autocast takes a tie at the smallest error (the same numerics), and only then
     tied = [_run("fp32", 100.0), _run("gemm+keep", 50.0, loss=1e-5), _run("autocast", 50.5, loss=1e-5, autocast="bf16")]
-    assert _pick(tied, 0.01) == "gemm+keep" and _pick(tied, 0.01, autocast_wins_ties=True) == "autocast"
+    assert _pick(tied, 0.01) == "gemm+keep"
+    assert _pick(tied, 0.01, autocast_wins_ties=True) == "autocast"
     tied[2].loss_change = 2e-5
     assert _pick(tied, 0.01, autocast_wins_ties=True) == "gemm+keep"  # autocast further from fp32: no
 
@@ -78,11 +80,17 @@ def test_choose_table_runs_each_candidate_on_the_step_beside_autocast_and_leaves
     assert [r.name for r in choice.runs] == [*tables, AUTOCAST]
     for run in [*choice.runs, choice.autocast]:
         if run.skipped is None:
-            assert run.ms > 0 and run.loss_change is not None and 0.99 < run.grad_cosine <= 1 + 1e-6, run
-    assert choice.runs[0].loss_change == 0.0 and choice.autocast.name == AUTOCAST
-    assert choice.best.within(0.01) and choice.chosen in [*tables, AUTOCAST]
+            assert run.ms > 0, run
+            assert run.loss_change is not None, run
+            assert 0.99 < run.grad_cosine <= 1 + 1e-6, run
+    assert choice.runs[0].loss_change == 0.0
+    assert choice.autocast.name == AUTOCAST
+    assert choice.best.within(0.01)
+    assert choice.chosen in [*tables, AUTOCAST]
     text = choice.table()
-    assert "| gemm+keep |" in text and "| autocast | plain torch.autocast in bf16" in text and "16 row(s)" in text
+    assert "| gemm+keep |" in text
+    assert "| autocast | plain torch.autocast in bf16" in text
+    assert "16 row(s)" in text
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 
@@ -96,16 +104,23 @@ def test_a_table_predicted_far_slower_is_not_run():
     with runner.session():
         choice = choose_table(runner, candidate_tables({}, ["matmul", "norm", "activation"]), rows, 0.01, 8)
     gemm = next(r for r in choice.runs if r.name == "gemm+keep")
-    assert gemm.ms is None and "predicted" in gemm.skipped and "slower" in gemm.skipped
-    assert choice.chosen == "fp32" and "predicted" in choice.autocast.skipped  # bf16 autocast as slow as bf16
+    assert gemm.ms is None
+    assert "predicted" in gemm.skipped
+    assert "slower" in gemm.skipped
+    assert choice.chosen == "fp32"
+    assert "predicted" in choice.autocast.skipped
 
 
 def test_first_rows_slices_every_tensor_with_the_batch_dimension():
     x, y, mask = torch.randn(64, 3), torch.arange(64), torch.ones(3, 3)
     (sx, sy, smask), n = first_rows((x, y, mask))
-    assert n == 8 and sx.shape == (8, 3) and torch.equal(sy, y[:8]) and smask.shape == (3, 3)
+    assert n == 8
+    assert sx.shape == (8, 3)
+    assert torch.equal(sy, y[:8])
+    assert smask.shape == (3, 3)
     small, n = first_rows({"ids": torch.zeros(4, 7)})
-    assert n == 1 and small["ids"].shape == (1, 7)
+    assert n == 1
+    assert small["ids"].shape == (1, 7)
 
 
 class Chosen(Injected):
@@ -132,10 +147,12 @@ def test_auto_trains_with_the_chosen_whole_step_table(tmp_path):
             _row("loss", speed=1.1, loss=None, cos=None), _row("pointwise", speed=1.0, loss=None, cos=None)]
     policy = Chosen(rows, "gemm+keep", census_every_n_steps=1)
     trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
-    assert policy.choice.chosen == "gemm+keep" and policy.table["activation"] == "keep"
+    assert policy.choice.chosen == "gemm+keep"
+    assert policy.table["activation"] == "keep"
     # softmax fp32 -> `s * 10` and gelu keep fp32; the GEMMs in bf16; norm, softmax and loss in fp32
     assert model.seen == dict(linear=BF, norm=FP, softmax=FP, gelu=FP, matmul=BF, inner=BF, head=BF, loss=FP)
-    assert "table 'gemm+keep'" in policy.decisions["matmul"].reason and "per class: 2.50x faster" in (
+    assert "table 'gemm+keep'" in policy.decisions["matmul"].reason
+    assert "per class: 2.50x faster" in (
         policy.decisions["matmul"].reason)
     _, texts = read_events(str(tmp_path))
     decision = texts["opkit/precision/decision"][0][1]
@@ -154,9 +171,11 @@ def test_auto_without_bf16_units_keeps_fp32_and_stands_aside(tmp_path):
             _row("activation", speed=1.4, fp32_ms=0.2), _row("softmax", speed=1.3, fp32_ms=0.2)]
     policy = Injected(rows, census_every_n_steps=0)
     trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
-    assert policy.choice.chosen == "fp32" and policy._standing_aside
+    assert policy.choice.chosen == "fp32"
+    assert policy._passthrough
     assert [r.name for r in policy.choice.runs if r.ms is not None] == ["fp32"]
-    assert model.seen["linear"] == FP and model.seen["matmul"] == FP
+    assert model.seen["linear"] == FP
+    assert model.seen["matmul"] == FP
 
 
 class HookedProbe(Probe):
@@ -177,9 +196,11 @@ def test_the_speed_check_of_explicit_rules_runs_no_extra_forward(tmp_path):
     model = HookedProbe()
     policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0)  # check_speed=True
     trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
-    assert model.forwards == [BF, BF, BF] and model.replays == [False, False, False]  # one forward per step
+    assert model.forwards == [BF, BF, BF]
+    assert model.replays == [False, False, False]
     matmul = policy.measurements.get("matmul", "bf16")
-    assert matmul.speed > 0 and matmul.calls == 4  # timed from the ops the first step ran: body, a @ w, inner, head
+    assert matmul.speed > 0
+    assert matmul.calls == 4
     _, texts = read_events(str(tmp_path))
     assert "| matmul | bf16 |" in texts["opkit/precision/sensitivity"][0][1]
 
@@ -189,8 +210,10 @@ def test_replaying_tells_user_code_which_runs_are_measurements(tmp_path):
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
     trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
     real = [r for r in model.replays if not r]
-    assert len(real) == 2 and model.replays[-1] is False  # the two training steps themselves
-    assert sum(model.replays) >= 3 and not replaying()  # the measurement's runs, and nothing left on after
+    assert len(real) == 2
+    assert model.replays[-1] is False
+    assert sum(model.replays) >= 3
+    assert not replaying()
 
 
 class AutocastOffRegion(Probe):
@@ -210,16 +233,21 @@ def test_a_region_where_the_user_turned_autocast_off_runs_as_written(tmp_path, c
     policy = PrecisionPolicy(census_every_n_steps=census, check_speed=False)
     trainer(tmp_path, [policy], max_steps=3, precision="bf16-mixed").fit(model, make_loader())
     assert model.seen["off_region"] == [(FP, FP)] * 3  # every step, census steps included
-    assert model.seen["matmul"] == BF and model.seen["norm"] == FP  # outside it the policy decides
+    assert model.seen["matmul"] == BF
+    assert model.seen["norm"] == FP
 
 
 def test_trials_alternate_the_contenders_and_keep_the_fastest_median():
     trials = Trials(["a", "b", "c"], rounds=2)
-    assert trials.order == ["a", "b", "c", "c", "b", "a"] and trials.next() == "a"
+    assert trials.order == ["a", "b", "c", "c", "b", "a"]
+    assert trials.next() == "a"
     for name, ms in zip(trials.order, [10.0, 9.0, 12.0, 12.5, 9.2, 10.1]):
-        assert not trials.done and trials.next() == name
+        assert not trials.done
+        assert trials.next() == name
         trials.add(name, ms)
-    assert trials.done and trials.best() == {"a": 10.0, "b": 9.0, "c": 12.0} and trials.winner() == "b"
+    assert trials.done
+    assert trials.best() == {"a": 10.0, "b": 9.0, "c": 12.0}
+    assert trials.winner() == "b"
     cold = Trials(["a", "b"], rounds=2)  # b's first step paid a one-off cost: its best step counts
     for name, ms in zip(cold.order, [10.0, 25.0, 9.5, 10.2]):
         cold.add(name, ms)
@@ -227,7 +255,8 @@ def test_trials_alternate_the_contenders_and_keep_the_fastest_median():
     tie = Trials(["a", "b"], rounds=1)
     tie.add("a", 10.0), tie.add("b", 9.9)
     assert tie.winner() == "a"  # within 2%: the sub-batch choice stays
-    assert "b 9.9 ms" in tie.describe() and "best of 1" in tie.describe()
+    assert "b 9.9 ms" in tie.describe()
+    assert "best of 1" in tie.describe()
 
 
 class Trialled(Probe):
@@ -253,7 +282,8 @@ def test_close_contenders_are_confirmed_on_real_training_steps(tmp_path):
     trainer(tmp_path, [policy], max_steps=8).fit(model, make_loader())
     trial = policy.choice.trial
     names = ["per-class", "gemm+keep", "per-class+keep"]
-    assert all(f"{n} " in trial for n in names) and "best of 2 training steps each" in trial
+    assert all(f"{n} " in trial for n in names)
+    assert "best of 2 training steps each" in trial
     # step 0 (the measurement) trains on the per-class table; steps 1-6 on each contender, round robin
     gelu = {"per-class": BF, "gemm+keep": FP, "per-class+keep": BF}
     order = ["per-class", "gemm+keep", "per-class+keep", "per-class+keep", "gemm+keep", "per-class"]
@@ -261,7 +291,8 @@ def test_close_contenders_are_confirmed_on_real_training_steps(tmp_path):
     winner = policy.choice.chosen
     best = {n: float(part.split(" ")[-2]) for n, part in zip(names, trial.split(" (")[0].split(", "))}
     assert best[winner] <= 1.02 * min(best.values())
-    assert model.per_step[7] == (BF, gelu[winner]) and policy.table["activation"] == policy.choice.best.table[
+    assert model.per_step[7] == (BF, gelu[winner])
+    assert policy.table["activation"] == policy.choice.best.table[
         "activation"]
     _, texts = read_events(str(tmp_path))
     assert "confirmed on training steps" in texts["opkit/precision/decision"][-1][1]
@@ -274,7 +305,8 @@ def test_no_trials_under_torch_compile(tmp_path):
     rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("activation", speed=0.5, loss=None, cos=None)]
     policy = Chosen(rows, "gemm+keep", others_ms=95.0, census_every_n_steps=0)
     trainer(tmp_path, [policy, TorchCompile(backend="eager")], max_steps=3).fit(model, make_loader())
-    assert policy.choice.chosen == "gemm+keep" and "TorchCompile attached" in policy.choice.trial
+    assert policy.choice.chosen == "gemm+keep"
+    assert "TorchCompile attached" in policy.choice.trial
 
 
 def test_plain_autocast_is_a_candidate_and_runs_as_bf16_mixed_when_chosen(tmp_path):
@@ -286,8 +318,10 @@ def test_plain_autocast_is_a_candidate_and_runs_as_bf16_mixed_when_chosen(tmp_pa
     trainer(tmp_path / "auto", [policy], max_steps=3).fit(chosen, make_loader())
     plain = Probe()
     trainer(tmp_path / "plain", [], max_steps=3, precision="bf16-mixed").fit(plain, make_loader())
-    assert policy.choice.chosen == AUTOCAST and policy._standing_aside
-    assert chosen.seen == plain.seen and chosen.seen["norm"] == BF  # CPU autocast leaves layer_norm in bf16
+    assert policy.choice.chosen == AUTOCAST
+    assert policy._passthrough
+    assert chosen.seen == plain.seen
+    assert chosen.seen["norm"] == BF
     assert {d.dtype for d in policy.decisions.values()} == {"keep"}
     assert "plain torch.autocast in bf16" in policy.summary_lines()[0]
     assert ("matmul", "bf16") in policy.census  # census steps count what autocast ran
@@ -300,9 +334,11 @@ def test_a_fit_that_ends_during_the_trials_keeps_the_choice_on_the_measured_rows
             _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
     policy = Chosen(rows, "gemm+keep", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0)
     trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())  # 2 of the 6 trial steps
-    assert policy.choice.chosen == "gemm+keep" and "not finished" in policy.choice.trial
+    assert policy.choice.chosen == "gemm+keep"
+    assert "not finished" in policy.choice.trial
     assert "after 2 of 6 trial steps" in policy.choice.trial
-    assert policy.table["activation"] == "keep" and policy.decisions["activation"].dtype == "keep"
+    assert policy.table["activation"] == "keep"
+    assert policy.decisions["activation"].dtype == "keep"
 
 
 def test_no_candidate_leaves_a_gemm_to_keep_so_none_fails_on_mixed_inputs():

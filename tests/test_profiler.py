@@ -49,11 +49,13 @@ def test_three_windows_traces_scalars_tables_and_nothing_between(tmp_path):
     # windows open at batches 4, 8, 12: one warmup batch, then two recorded ones; nothing runs otherwise
     starts = state.states[0::2]
     assert [b for b, on in enumerate(starts) if on] == [5, 6, 9, 10, 13, 14]
-    assert not state.states[-1] and not torch.autograd.profiler._is_profiler_enabled
+    assert not state.states[-1]
+    assert not torch.autograd.profiler._is_profiler_enabled
 
     assert len(cb.trace_files) == 3
     for path in cb.trace_files:
-        assert path.endswith(".pt.trace.json.gz") and os.path.basename(path).startswith("rank0.")
+        assert path.endswith(".pt.trace.json.gz")
+        assert os.path.basename(path).startswith("rank0.")
         with gzip.open(path) as f:
             trace = json.load(f)
         names = {e.get("name") for e in trace["traceEvents"]}
@@ -69,11 +71,14 @@ def test_three_windows_traces_scalars_tables_and_nothing_between(tmp_path):
     for i in range(3):
         total = sum(scalars[f"opkit/profiler/{c}/percent"][i][1] for c in charted)
         assert total == pytest.approx(100.0, abs=0.01)
-    assert "opkit/profiler/rnn/percent" not in scalars and "opkit/profiler/embedding/percent" not in scalars
+    assert "opkit/profiler/rnn/percent" not in scalars
+    assert "opkit/profiler/embedding/percent" not in scalars
     assert scalars["opkit/profiler/matmul/self_ms"][0][1] > 0
     table = texts["opkit/profiler/top_ops"][0][1]
     assert "| op | class | calls / step | self ms / step | total ms / step | % self |" in table
-    assert table.count("\n| ") == 5 + 1 and "e+0" not in table and "e-0" not in table  # fixed point
+    assert table.count("\n| ") == 5 + 1
+    assert "e+0" not in table
+    assert "e-0" not in table
     assert table.startswith("Window 1: steps ")
     assert "\n| aten::" in table
     assert "matmul" in texts["opkit/profiler/op_classes"][0][1]
@@ -88,7 +93,8 @@ def test_report_shares_match_the_profilers_self_time():
     report = summarize(prof, [0.01], use_device=False)
     assert report.total_self_us == pytest.approx(sum(e.self_cpu_time_total for e in prof.key_averages()))
     assert sum(report.class_percent().values()) == pytest.approx(100.0)
-    assert report.class_self_us["matmul"] > 0 and report.class_self_us["norm"] > 0
+    assert report.class_self_us["matmul"] > 0
+    assert report.class_self_us["norm"] > 0
 
 
 def test_validation_cuts_a_window_which_is_reported_as_partial(tmp_path):
@@ -97,7 +103,8 @@ def test_validation_cuts_a_window_which_is_reported_as_partial(tmp_path):
     # validation after every 6 batches cuts the window opened at batch 4 after 2 recorded steps
     trainer(tmp_path, [state, cb], max_steps=8, limit_val_batches=1, val_check_interval=6).fit(
         TinyNet(), make_loader(n=80), make_loader(n=8))
-    assert cb.windows_done == 1 and cb.last_report.steps == 2
+    assert cb.windows_done == 1
+    assert cb.last_report.steps == 2
     assert cb.trace_files[0].endswith(".pt.trace.json")
     assert "cut short)" in read_events(str(tmp_path))[1]["opkit/profiler/top_ops"][0][1]
     assert not torch.autograd.profiler._is_profiler_enabled
@@ -106,14 +113,17 @@ def test_validation_cuts_a_window_which_is_reported_as_partial(tmp_path):
 def test_max_steps_inside_a_window_closes_it(tmp_path):
     cb = ProfilerWindows(every_n_steps=3, warmup=0, active=3)
     trainer(tmp_path, [cb], max_steps=4).fit(TinyNet(), make_loader())
-    assert cb.windows_done == 1 and cb.last_report.steps == 1
+    assert cb.windows_done == 1
+    assert cb.last_report.steps == 1
     assert not torch.autograd.profiler._is_profiler_enabled
 
 
 def test_window_cut_in_warmup_is_dropped(tmp_path):
     cb = ProfilerWindows(every_n_steps=3, warmup=2, active=1)
     trainer(tmp_path, [cb], max_steps=4).fit(TinyNet(), make_loader())
-    assert cb.windows_done == 0 and cb.trace_files == [] and not torch.autograd.profiler._is_profiler_enabled
+    assert cb.windows_done == 0
+    assert cb.trace_files == []
+    assert not torch.autograd.profiler._is_profiler_enabled
 
 
 def test_exception_inside_a_window_stops_the_profiler(tmp_path):
@@ -136,14 +146,16 @@ def test_memory_and_flops(tmp_path):
     scalars, texts = read_events(str(tmp_path))
     assert scalars["opkit/profiler/peak_memory_mb"][0][1] > 0
     assert scalars["opkit/profiler/gflops_per_s"][0][1] > 0
-    assert "GFLOP" in texts["opkit/profiler/top_ops"][0][1] and cb.trace_files == []
+    assert "GFLOP" in texts["opkit/profiler/top_ops"][0][1]
+    assert cb.trace_files == []
 
 
 def test_keep_traces_keeps_the_newest(tmp_path):
     cb = ProfilerWindows(every_n_steps=2, warmup=0, active=1, keep_traces=2)
     trainer(tmp_path, [cb], max_steps=8).fit(TinyNet(), make_loader())
     files = sorted(os.listdir(os.path.dirname(cb.trace_files[0])))
-    assert cb.windows_done == 3 and len(files) == 2
+    assert cb.windows_done == 3
+    assert len(files) == 2
     assert files == sorted(os.path.basename(p) for p in cb.trace_files[-2:])
 
 
@@ -181,7 +193,8 @@ def test_epoch_end_cuts_a_window_and_the_next_epoch_opens_the_next(tmp_path):
     state = ProfilerState()
     # 5 batches per epoch: the window opened at batch 4 (the epoch's last) is closed at the epoch end with 1 step
     trainer(tmp_path, [cb, state], max_epochs=2).fit(TinyNet(), make_loader(n=40))
-    assert cb.windows_done == 2 and cb.last_report.steps == 2  # the second window: batches 8, 9 (epoch 2's end)
+    assert cb.windows_done == 2
+    assert cb.last_report.steps == 2
     steps = sorted(int(os.path.basename(p).split(".")[1]) for p in cb.trace_files)
     assert steps == [5, 10]
     assert [b for b, on in enumerate(state.states[0::2]) if on] == [4, 8, 9]

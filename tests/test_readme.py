@@ -1,6 +1,7 @@
 """The README's "In your own code" snippet runs as written, and on another model than the one it names."""
 
 import os
+import pathlib
 import re
 
 import pytest
@@ -11,7 +12,7 @@ README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
 
 
 def _snippet() -> str:
-    text = open(README).read()
+    text = pathlib.Path(README).read_text()
     section = text[text.index("In your own code"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
@@ -51,17 +52,20 @@ def test_readme_snippet_runs(tmp_path, monkeypatch, capsys, model):
     trainer = namespace["trainer"]
     assert trainer.global_step == 20
     out = capsys.readouterr().out
-    assert "opkit run summary (fit finished, global step 20)" in out and "tensorboard --logdir" in out
+    assert "opkit run summary (fit finished, global step 20)" in out
+    assert "tensorboard --logdir" in out
     assert os.listdir(tmp_path / "lightning_logs" / "version_0" / "traces")
     if model == "as written":
         assert "['layer (Linear)']" in out
     else:
-        assert "model.transformer.encoder.layers.0" in out and "model.transformer.decoder.layers.1" in out
+        assert "model.transformer.encoder.layers.0" in out
+        assert "model.transformer.decoder.layers.1" in out
 
 
 def test_measure_precision_snippet_runs_as_written(capsys):
-    text = open(README).read()
+    text = pathlib.Path(README).read_text()
     section = text[text.index("The same measurement without a Trainer"):]
     exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), {})
     out = capsys.readouterr().out
-    assert "| matmul | bf16 |" in out and "'matmul': '" in out
+    assert "| matmul | bf16 |" in out
+    assert "'matmul': '" in out

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import StepProbe, read_events, same_state, snapshot, trainer
+from helpers import StepProbe, read_events, snapshot, state_differences, trainer
 from zoo import CASES, build
 
 from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
@@ -26,18 +26,23 @@ def test_nan_is_named_exactly_and_skip_changes_nothing(tmp_path, name):
     assert sorted(events) == sorted(FAULTS.values()), detector.events
     fwd, bwd, param, loss = (events[FAULTS[k]] for k in ("forward", "backward", "param", "loss"))
     assert (fwd["phase"], fwd["module"]) == ("forward", "model." + case.deep)
-    assert fwd["op_class"] in ("matmul", "conv", "rnn") and fwd["nan"] >= 1
+    assert fwd["op_class"] in ("matmul", "conv", "rnn")
+    assert fwd["nan"] >= 1
     owner = "model." + case.param.rpartition(".")[0]
     assert (param["phase"], param["module"], param["parameter"]) == ("backward", owner, "model." + case.param)
     assert (loss["phase"], loss["module"]) == ("loss", "")
-    assert bwd["phase"] == "backward" and bwd["module"] == "model." + case.deep
+    assert bwd["phase"] == "backward"
+    assert bwd["module"] == "model." + case.deep
     if bwd["parameter"] is not None:  # ReLU(inplace=True) refuses module backward hooks: parameters only
-        assert name == "bn_cnn" and bwd["parameter"].startswith("model." + case.deep + ".")
+        assert name == "bn_cnn"
+        assert bwd["parameter"].startswith("model." + case.deep + ".")
     for step in FAULTS.values():  # weights, optimizer state, buffers (BatchNorm) and LR bit-identical
-        assert not same_state(probe.before[step], probe.after[step]), (step, same_state(
+        assert not state_differences(probe.before[step], probe.after[step]), (step, state_differences(
             probe.before[step], probe.after[step]))
     clean = [v for s, v in probe.losses.items() if s not in (FAULTS["forward"], FAULTS["loss"])]
-    assert detector.skipped_steps == 4 and len(clean) == 4 and all(map(math.isfinite, clean))
+    assert detector.skipped_steps == 4
+    assert len(clean) == 4
+    assert all(map(math.isfinite, clean))
     assert snapshot(model) == before
 
 
@@ -86,10 +91,12 @@ def test_policy_dtypes_and_module_overrides_hold_compiled(tmp_path, name, backen
     case, seen, losses, compiler = _policy_run(tmp_path, name, backend)
     gemm_dtype = torch.float32 if name == "torch_lstm" else torch.bfloat16  # the LSTM case's "gemm" feeds the head
     assert seen[case.gemm] == {torch.bfloat16} or (name == "torch_lstm" and seen[case.gemm] == {gemm_dtype})
-    assert seen[case.norm] == {torch.float32} and seen[case.override] == {torch.float32}, seen
+    assert seen[case.norm] == {torch.float32}, seen
+    assert seen[case.override] == {torch.float32}, seen
     if backend is None:
         return
-    assert compiler.watch.frames > 0 and compiler.error is None
+    assert compiler.watch.frames > 0
+    assert compiler.error is None
     # What ran compiled is what the policy ran eagerly: same dtypes for every op, so the same losses (inductor fuses
     # and may round bf16 intermediates differently, within bf16's precision).
     eager = _eager_losses(tmp_path, name)
@@ -103,7 +110,9 @@ def test_profiler_windows_trace_and_classify(tmp_path, name):
     model = build(name)
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=2)
     trainer(tmp_path, [windows], max_steps=4).fit(model, model.loader())
-    assert windows.windows_done == 1 and len(windows.trace_files) == 1 and os.path.getsize(windows.trace_files[0])
+    assert windows.windows_done == 1
+    assert len(windows.trace_files) == 1
+    assert os.path.getsize(windows.trace_files[0])
     shares = windows.last_report.class_percent()
     assert shares["other"] < 25, sorted(((r.name, r.self_us) for r in windows.last_report.ops
                                          if r.op_class == "other"), key=lambda kv: -kv[1])[:10]
@@ -124,15 +133,17 @@ def test_all_four_together(tmp_path, name):
     probe = StepProbe(steps=[3])
     t = trainer(tmp_path, [policy, detector, windows, compiler, probe], max_steps=5)
     t.fit(model, model.loader())
-    assert compiler.watch.frames > 0 and compiler.error is None
+    assert compiler.watch.frames > 0
+    assert compiler.error is None
     assert [(e["step"], e["phase"], e["module"]) for e in detector.events] == [(3, "forward", "model." + case.deep)]
-    assert not same_state(probe.before[3], probe.after[3])
+    assert not state_differences(probe.before[3], probe.after[3])
     assert windows.windows_done == 2
     assert ("matmul", "bf16") in policy.census or ("conv", "bf16") in policy.census
     ckpt = os.path.join(tmp_path, "zoo.ckpt")
     t.save_checkpoint(ckpt)
     keys = list(torch.load(ckpt, weights_only=False)["state_dict"])
-    assert keys == list(build(name).state_dict()) and not any("_orig_mod" in k for k in keys)
+    assert keys == list(build(name).state_dict())
+    assert not any("_orig_mod" in k for k in keys)
     scalars, _ = read_events(str(tmp_path))
     assert {"opkit/nan/skipped_steps", "opkit/profiler/step_time_ms", "opkit/compile/compiles"} <= set(scalars)
     assert snapshot(model) == before
@@ -145,15 +156,20 @@ def test_auto_precision_measures_decides_and_leaves_no_trace(tmp_path, name):
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=1)
     trainer(tmp_path, [policy], max_steps=2).fit(model, model.loader())
     measured, choice = policy.measurements, policy.choice
-    assert {"matmul", "conv", "rnn"} & set(measured.classes) and "loss" in measured.classes
+    assert {"matmul", "conv", "rnn"} & set(measured.classes)
+    assert "loss" in measured.classes
     for row in measured:  # every class the model ran was timed, or says why not
         assert row.failed is None, row
-        assert row.speed > 0 and row.fp32_ms > 0 and row.calls > 0, row
+        assert row.speed > 0, row
+        assert row.fp32_ms > 0, row
+        assert row.calls > 0, row
     ran = [r for r in choice.runs if r.ms is not None]
     assert ran[0].name == "fp32"
     assert all(r in ran or "predicted" in (r.skipped or "") for r in choice.runs), choice.runs  # none failed
     for run in ran:  # each table's error (plain autocast's too) measured as a whole against fp32
-        assert run.ms > 0 and run.loss_change < 0.05 and 0.95 < run.grad_cosine <= 1 + 1e-6, run
+        assert run.ms > 0, run
+        assert run.loss_change < 0.05, run
+        assert 0.95 < run.grad_cosine <= 1 + 1e-6, run
     assert choice.best.within(policy.tolerance)
     expected = choice.best.table or dict.fromkeys(measured.classes, "keep")  # plain autocast: all left to it
     assert set(policy.decisions) == set(measured.classes) == set(expected)
@@ -161,5 +177,6 @@ def test_auto_precision_measures_decides_and_leaves_no_trace(tmp_path, name):
     assert all(math.isfinite(v) for v in model.trainer.callback_metrics.values())
     _, texts = read_events(str(tmp_path))
     sensitivity = texts["opkit/precision/sensitivity"][0][1]
-    assert "| loss | bf16 |" in sensitivity and "| autocast | plain torch.autocast in bf16" in sensitivity
+    assert "| loss | bf16 |" in sensitivity
+    assert "| autocast | plain torch.autocast in bf16" in sensitivity
     assert snapshot(model) == before  # hooks and patches gone

@@ -25,7 +25,8 @@ LOW = (torch.bfloat16, torch.float16)
 #: would change what they produce).
 NEVER_CAST = ("other", "copy", "layout")
 GOVERNED = tuple(c for c in OP_CLASSES if c not in NEVER_CAST)
-assert set(get_args(OpClassName)) == set(GOVERNED) and set(get_args(DtypeName)) == set(DTYPES)
+assert set(get_args(OpClassName)) == set(GOVERNED)
+assert set(get_args(DtypeName)) == set(DTYPES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

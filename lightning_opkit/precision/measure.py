@@ -29,7 +29,7 @@ from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, describe_device
-from lightning_opkit.precision.mode import ModeState, PolicyMode, match_weight_dtype, policy_info
+from lightning_opkit.precision.function_mode import ModeState, PolicyMode, match_weight_dtype, policy_info
 
 __all__ = ["Measurement", "PrecisionMeasurements", "measure_precision"]
 

@@ -16,9 +16,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_opkit._checks import check_bools, check_fraction, check_int
-from lightning_opkit._modules import match_rule, resolve_modules
 from lightning_opkit._patch import Patches
 from lightning_opkit._replay import loss_of
+from lightning_opkit._select import match_rule, resolve_modules
 from lightning_opkit._summary import end_summary, start_summary
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 from lightning_opkit.opclass import OP_CLASSES
@@ -34,6 +34,7 @@ from lightning_opkit.precision.dtypes import (
     describe_device,
     hardware_note,
 )
+from lightning_opkit.precision.function_mode import ModeState, PolicyMode, keep_out_of_dynamo_frames, match_weight_dtype
 from lightning_opkit.precision.measure import (
     Measurement,
     OpLog,
@@ -43,7 +44,6 @@ from lightning_opkit.precision.measure import (
     speed_phrase,
     time_classes,
 )
-from lightning_opkit.precision.mode import ModeState, PolicyMode, keep_out_of_dynamo_frames, match_weight_dtype
 from lightning_opkit.precision.trials import Trials
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
@@ -177,7 +177,7 @@ class PrecisionPolicy(Callback):
         self._mode = PolicyMode(self._state)
         self._originals: dict[str, Callable[..., Any]] = {}
         self._forced: list[torch.dtype | None] = []  # a dtype for the whole step (running_in(None, ...))
-        self._standing_aside = False  # rules="auto" decided fp32 everywhere on an fp32 model, or plain autocast
+        self._passthrough = False  # rules="auto" decided fp32 everywhere on an fp32 model, or plain autocast
         self._autocast: str | None = None  # rules="auto" chose plain autocast in this dtype
         self._autocast_device = "cpu"
         self._overriding = 0  # running_in() contexts open: the mode must run
@@ -261,7 +261,7 @@ class PrecisionPolicy(Callback):
             self._patches.set(pl_module, method, self._wrap(trainer, original, method == "training_step"))
         self._writer = TensorBoardWriter(trainer)
         self._measured_at = None
-        self._standing_aside = False
+        self._passthrough = False
         self._autocast = None
         self._trials = self._trial_step = None
         if stage == "fit":
@@ -328,7 +328,7 @@ class PrecisionPolicy(Callback):
             lines.append(f"  {self.choice.comparison()}")
         if self.modules:
             lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in self.modules.items()))
-        if self._standing_aside:
+        if self._passthrough:
             lines.append(f"  {_ASIDE}")
         return lines
 
@@ -354,7 +354,7 @@ class PrecisionPolicy(Callback):
 
     def _runs_mode(self, is_training: bool) -> bool:
         """Whether this step runs under the policy's mode (else the model runs as written, or under autocast)."""
-        if self._overriding or not self._standing_aside:
+        if self._overriding or not self._passthrough:
             return True  # a NaN cause replay's fp32 region, or a table to apply
         if self._autocast is not None:
             return is_training and self._census_step  # census steps count what autocast ran (an all-keep table)
@@ -520,7 +520,7 @@ class PrecisionPolicy(Callback):
         self._state.set_table(table)
         # Nothing worth lowering on an fp32 model without autocast: the model runs as written, without the mode's
         # per-op cost (~2% of a step on the example) and without a census. NaN cause replays still enter it.
-        self._standing_aside = not self.modules and (autocast is not None or (
+        self._passthrough = not self.modules and (autocast is not None or (
             all(table[c] == "fp32" for c in GOVERNED)
             and all(t.dtype == torch.float32 for t in (*pl_module.parameters(), *pl_module.buffers())
                     if t.is_floating_point())))
@@ -579,7 +579,7 @@ class PrecisionPolicy(Callback):
                 f" {measurements.device}.\n\n")
         if self.choice is not None:
             head += f"{self.choice.comparison()}.\n\n"
-        if self._standing_aside:
+        if self._passthrough:
             head += f"{_ASIDE}.\n\n"
         evidence = markdown_table(["op class", "dtype", "evidence"], rows)
         if self.choice is not None:

@@ -33,7 +33,7 @@ def suspended() -> Iterator[None]:
         _SUSPENDED[0] -= 1
 
 
-def standing_aside(backend: Callable[..., Any]) -> Callable[..., Any]:
+def suspending_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a ``torch.compile`` backend so that its compilation and the code it returns run :func:`suspended`.
 
     Args:
@@ -41,7 +41,7 @@ def standing_aside(backend: Callable[..., Any]) -> Callable[..., Any]:
 
     Example:
         >>> import torch
-        >>> f = torch.compile(lambda x: x + 1, backend=standing_aside(torch._dynamo.lookup_backend("eager")))
+        >>> f = torch.compile(lambda x: x + 1, backend=suspending_backend(torch._dynamo.lookup_backend("eager")))
         >>> f(torch.zeros(1))
         tensor([1.])
     """

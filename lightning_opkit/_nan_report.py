@@ -1,0 +1,160 @@
+"""What NaNDetector reports: where the first non-finite value came from, why, and what was done about it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Cause", "NaNReport", "NonFiniteError", "Origin", "format_report"]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a replay saw the first non-finite value: a module's output or input-gradient, a parameter's gradient,
+    the loss, or nowhere (``module=None``: the check saw it, the replay did not).
+
+    Args:
+        phase: ``"forward"``, ``"backward"`` or ``"loss"``.
+        module: the module's path (``""`` for the LightningModule's loss), ``None`` when not reproduced.
+        module_type: its class name.
+        op_class: its operator class.
+        parameter: the parameter whose gradient went non-finite, if that is what was found.
+        dtype: the dtype of the non-finite tensor.
+        nan: NaN count in it.
+        inf: Inf count in it.
+        input_min: finite minimum of its inputs (forward) or output gradients (backward).
+        input_max: finite maximum of them.
+        input_absmax: finite abs-maximum of them.
+    """
+
+    phase: str
+    module: str | None
+    module_type: str = "-"
+    op_class: str = "-"
+    parameter: str | None = None
+    dtype: str = "-"
+    nan: int = 0
+    inf: int = 0
+    input_min: float | None = None
+    input_max: float | None = None
+    input_absmax: float | None = None
+
+    @property
+    def reproduced(self) -> bool:
+        """Whether a replay saw it (and so named where it came from)."""
+        return self.module is not None
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why the step went non-finite (see :mod:`lightning_opkit._nan_cause`), and what to try.
+
+    Args:
+        cause: ``"precision"``, ``"data_or_model"``, ``"transient"`` or ``"unknown"``.
+        advice: one sentence for the user.
+    """
+
+    cause: str
+    advice: str
+
+
+#: what a fault the check saw and no replay reproduced is put down to
+TRANSIENT = Cause("transient", "seen by the check, not reproduced by the replay: non-deterministic code or hardware")
+
+
+@dataclass(frozen=True)
+class NaNReport:
+    """One non-finite event: the step, the origin, the cause and the action; :meth:`as_dict` is its public view
+    (``NaNDetector.events``, ``NonFiniteError.report``, checkpoints).
+
+    Args:
+        step: the global step.
+        epoch: the epoch.
+        batch_idx: the batch (the micro-batch that reproduced it, under accumulation).
+        rank: the global rank whose replay found the origin.
+        origin: where it came from.
+        cause: why, when a cause replay ran.
+        action: the detector's action.
+
+    Example:
+        >>> report = NaNReport(3, 0, 3, 0, Origin("loss", "", "Net", "loss", nan=1), action="skip")
+        >>> report.as_dict()["module_type"], NaNReport.from_dict(report.as_dict()) == report
+        ('Net', True)
+    """
+
+    step: int
+    epoch: int
+    batch_idx: int
+    rank: int
+    origin: Origin
+    cause: Cause | None = None
+    action: str = "raise"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat dict view: step, epoch, batch_idx, rank, the origin's fields, cause, advice, action."""
+        cause = {"cause": self.cause.cause, "advice": self.cause.advice} if self.cause else {"cause": None,
+                                                                                                "advice": None}
+        return {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx, "rank": self.rank,
+                **dataclasses.asdict(self.origin), **cause, "action": self.action}
+
+    @classmethod
+    def from_dict(cls, view: dict[str, Any]) -> NaNReport:
+        """Back from :meth:`as_dict` (a checkpoint's events); unknown keys are ignored."""
+        fields = {f.name for f in dataclasses.fields(Origin)}
+        origin = Origin(**{k: v for k, v in view.items() if k in fields})
+        cause = Cause(view["cause"], view.get("advice") or "") if view.get("cause") else None
+        return cls(int(view.get("step", -1)), int(view.get("epoch", 0)), int(view.get("batch_idx", -1)),
+                   int(view.get("rank", 0)), origin, cause, str(view.get("action", "raise")))
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite value was found; ``.report`` holds the first report as a dict.
+
+    Args:
+        report: the report (step, phase, module, module type, op class, dtype, NaN/Inf counts, input range).
+        reason: an optional lead sentence (for example, why a skip turned into a raise).
+    """
+
+    def __init__(self, report: NaNReport | dict[str, Any], reason: str = "") -> None:
+        self.nan_report = report if isinstance(report, NaNReport) else NaNReport.from_dict(report)
+        self.report = self.nan_report.as_dict()
+        super().__init__((reason + " " if reason else "") + format_report(self.report))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled across ranks and by multiprocessing: rebuilt from the report, not from the message.
+        return type(self), (self.report,)
+
+
+def format_report(report: NaNReport | dict[str, Any]) -> str:
+    """One readable paragraph for a NaN report.
+
+    Args:
+        report: a report, or its dict view from :attr:`NaNDetector.events`.
+
+    Example:
+        >>> format_report({"step": 3, "phase": "loss", "module": "", "module_type": "Net", "nan": 1, "inf": 0})
+        'Non-finite loss at global step 3 (the loss of Net): 1 NaN and 0 Inf values.'
+    """
+    r = report.as_dict() if isinstance(report, NaNReport) else report
+    cause = f" Cause: {r['cause']}: {r['advice']}." if r.get("cause") else ""
+    phase, step = r["phase"], r["step"]
+    where = {"forward": "output", "backward": "gradient", "loss": "loss"}.get(phase, phase)
+    if r.get("module") is None:
+        return (
+            f"Non-finite {where} at global step {step}, seen by the per-step check but not reproduced when the step"
+            f" was replayed with per-module hooks, so no module can be named (is the model non-deterministic?)."
+        ) + cause
+    if phase == "loss":
+        return (f"Non-finite loss at global step {step} (the loss of {r['module_type']}): "
+                f"{r['nan']} NaN and {r['inf']} Inf values.") + cause
+    subject = f"module '{r['module']}' ({r['module_type']}, op class {r['op_class']})"
+    if r.get("parameter"):
+        subject = f"the gradient of parameter '{r['parameter']}' of " + subject
+    made = "its output" if phase == "forward" else "the gradient of its inputs"
+    text = (f"Non-finite {where} at global step {step}, first produced in the {phase} pass by {subject}"
+            f" in dtype {r['dtype']}: {made} had {r['nan']} NaN and {r['inf']} Inf values")
+    if (phase == "forward" or not r.get("parameter")) and r.get("input_min") is not None:
+        rng = f"min {r['input_min']:.4g}, max {r['input_max']:.4g}, abs-max {r['input_absmax']:.4g}"
+        text += f" while its {'inputs' if phase == 'forward' else 'output gradients'} were finite ({rng})"
+    return text + "." + cause

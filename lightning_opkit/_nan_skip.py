@@ -1,0 +1,147 @@
+"""Leave an optimizer step out: NaNDetector's skip, and the one place that answers "what happens on a skipped step".
+
+Per batch the :class:`StepSkipper` moves through :class:`BatchState`:
+
+- ``UNCHECKED``: not a checked step; the optimizer steps as usual.
+- ``CHECKING``: a checked step; buffers (BatchNorm statistics) were saved at the batch's start.
+- ``SKIP_PENDING``: the check failed and the action skips: the wrapped ``optimizer.step`` runs the closure (forward,
+  backward, the check) and then leaves the step itself out, sets every gradient to ``None`` (with accumulation they
+  would add up), and the state becomes ``SKIPPED``.
+- ``SKIPPED``: the step was left out; a step-interval LR scheduler does not advance (epoch ones do).
+- ``SCALER_SKIP``: fp16 loss scaling overflowed on purpose; the GradScaler skips the step itself and lowers its
+  scale, and the LR scheduler does not advance either.
+
+The buffers are put back (:meth:`StepSkipper.restore_buffers`) whatever the action, so a caught ``NonFiniteError``
+leaves a model that still evaluates. Weights, optimizer state and the LR are untouched because no step ran.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_opkit._patch import Patches
+
+__all__ = ["BatchState", "StepSkipper"]
+
+
+class BatchState(enum.Enum):
+    """Where the current batch stands with respect to its optimizer step."""
+
+    UNCHECKED = "unchecked"
+    CHECKING = "checking"
+    SKIP_PENDING = "skip pending"
+    SKIPPED = "skipped"
+    SCALER_SKIP = "scaler skip"
+
+
+class StepSkipper:
+    """Wraps optimizers' ``step`` and the LightningModule's ``lr_scheduler_step`` so a batch's step can be left out.
+
+    Args:
+        patches: where the wrappers are recorded (restored by the owner).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        >>> skipper = StepSkipper(Patches())
+        >>> skipper.wrap_optimizer(opt)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> skipper.state = BatchState.SKIP_PENDING
+        >>> before = model.weight.clone()
+        >>> _ = opt.step(lambda: None)
+        >>> torch.equal(before, model.weight), model.weight.grad, skipper.state.name
+        (True, None, 'SKIPPED')
+    """
+
+    def __init__(self, patches: Patches) -> None:
+        self.state = BatchState.UNCHECKED
+        self._patches = patches
+        self._buffers: list[Tensor] = []
+        self._saved: list[Tensor] = []
+
+    @property
+    def step_left_out(self) -> bool:
+        """Whether this batch's optimizer step is (or will be) left out, by NaNDetector or by a GradScaler."""
+        return self.state in (BatchState.SKIP_PENDING, BatchState.SKIPPED, BatchState.SCALER_SKIP)
+
+    def begin_batch(self, checking: bool, save_buffers: bool) -> None:
+        """At a batch's start: checked or not; save the buffers when a new optimizer step begins."""
+        self.state = BatchState.CHECKING if checking else BatchState.UNCHECKED
+        if checking and save_buffers and self._buffers:
+            # One multi-tensor copy into storage allocated once, no host sync: BatchNorm statistics are written in
+            # the forward, before any check can run.
+            if len(self._saved) != len(self._buffers):
+                self._saved = [torch.empty_like(b) for b in self._buffers]
+            torch._foreach_copy_(self._saved, self._buffers)
+
+    def watch_buffers(self, buffers: list[Tensor]) -> None:
+        """The buffers a skipped step puts back."""
+        self._buffers = [b for b in buffers if not b.is_sparse]
+        self._saved = []
+
+    def restore_buffers(self) -> None:
+        """Put back the buffers saved at the start of this optimizer step."""
+        if self._saved:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._saved)
+
+    def wrap_scheduler_step(self, pl_module: Any, interval_of: Callable[[Any], str]) -> None:
+        """Patch ``pl_module.lr_scheduler_step`` so a left-out step does not advance a per-step schedule.
+
+        Args:
+            pl_module: the LightningModule.
+            interval_of: scheduler -> ``"step"`` or ``"epoch"``.
+        """
+        original = pl_module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            if self.step_left_out and interval_of(scheduler) == "step":
+                return None
+            return original(scheduler, metric)
+
+        self._patches.set(pl_module, "lr_scheduler_step", lr_scheduler_step)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Patch ``optimizer.step``: the closure runs first, then the step unless it is to be left out."""
+        step = optimizer.step
+
+        # The skip is decided inside the closure (on_before_optimizer_step), after backward and before gradient
+        # clipping. Running the closure first lets the step itself be left out, rather than relying on every
+        # optimizer to ignore parameters without gradients (weight decay would still move them).
+        def skippable_step(closure: Any = None, **kwargs: Any) -> Any:
+            if closure is None:  # a GradScaler's step, after the precision plugin ran the closure itself
+                return self._leave_out(optimizer) if self._take_pending() else step(**kwargs)
+            with torch.enable_grad():
+                result = closure()
+            if self._take_pending():
+                self._leave_out(optimizer)
+                return result
+            pending = [result]
+
+            def closure_once_more() -> Any:
+                # The optimizer's own call gets the result already computed; LBFGS's later calls rerun the closure.
+                return pending.pop() if pending else closure()
+
+            return step(closure=closure_once_more, **kwargs)
+
+        if hasattr(step, "_wrapped_by_lr_sched"):
+            # torch's LR schedulers warn that optimizer.step was overridden unless the step they wrapped is marked.
+            skippable_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._patches.set(optimizer, "step", skippable_step)
+
+    def _take_pending(self) -> bool:
+        if self.state is BatchState.SKIP_PENDING:
+            self.state = BatchState.SKIPPED
+            return True
+        return False
+
+    @staticmethod
+    def _leave_out(optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
