@@ -6,11 +6,12 @@ Plain functions and a small record per region, tested without a Trainer.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 __all__ = ["Region", "find_blocks", "strip_compile_prefix"]
@@ -60,6 +61,32 @@ def strip_compile_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         ['fc.weight', 'encoder.w']
     """
     return {_ORIG_MOD.sub(r"\1", key): value for key, value in state_dict.items()}
+
+def loading_old_checkpoints(user_hook: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    """Wrap a LightningModule's ``on_load_checkpoint`` so checkpoints with ``_orig_mod.`` keys load into it.
+
+    It runs before Lightning loads the weights (a callback's own hook would run after): a checkpoint written by
+    torch.compile's wrapper has ``_orig_mod.`` in its keys, which the plain model does not.
+
+    Args:
+        user_hook: the module's own ``on_load_checkpoint``.
+
+    Example:
+        >>> hook = loading_old_checkpoints(lambda checkpoint: None)
+        >>> checkpoint = {"state_dict": {"_orig_mod.w": 1}}
+        >>> hook(checkpoint), checkpoint
+        (None, {'state_dict': {'w': 1}})
+    """
+
+    def on_load_checkpoint(checkpoint: dict[str, Any]) -> Any:
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict) and any("_orig_mod." in key for key in state):
+            checkpoint["state_dict"] = strip_compile_prefix(state)
+            rank_zero_info("TorchCompile: loading a checkpoint with `_orig_mod.` keys into the plain model.")
+        return user_hook(checkpoint)
+
+    return on_load_checkpoint
+
 
 
 @dataclass

@@ -1,0 +1,125 @@
+"""TorchCompile's arguments: checks that name the bad value and the valid ones, and the backend callable built."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+
+from lightning_opkit._checks import check_bools, check_choice, check_globs
+from lightning_opkit._suspend import suspending_backend
+
+__all__ = ["COMPILE_FAILURES", "ON_RECOMPILE_LIMIT", "backends", "check_compile_args", "make_backend"]
+
+ON_RECOMPILE_LIMIT = ("warn", "eager", "raise")
+
+# What counts as "compilation failed" for `fallback`: the backend, dynamo itself, or (with fullgraph) a graph break.
+# A user's own error met while tracing (``TorchRuntimeError``, ``Observed*``) or a misuse (``UserError``) is not
+# one: it goes through untouched, with nothing switched to eager and nothing run twice.
+COMPILE_FAILURES: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.BackendCompilerFailed,
+    torch._dynamo.exc.InternalTorchDynamoError,
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.InvalidBackend,
+    torch._dynamo.exc.UncapturedHigherOrderOpError,
+    torch._dynamo.exc.RecompileError,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
+
+
+def backends() -> list[str]:
+    """The ``torch.compile`` backends this torch knows, by name."""
+    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"})
+
+
+def check_compile_args(modules: Any, backend: Any, mode: Any, options: Any, dynamic: Any, on_recompile_limit: Any,
+                       **bools: Any) -> None:
+    """Raise for the first bad ``TorchCompile`` argument, naming it, its value and what is valid.
+
+    Args:
+        modules: ``None``, ``"auto"`` or globs.
+        backend: a backend name.
+        mode: an Inductor mode or ``None``.
+        options: Inductor options or ``None``.
+        dynamic: ``True``, ``False`` or ``None``.
+        on_recompile_limit: one of :data:`ON_RECOMPILE_LIMIT`.
+        bools: the boolean arguments by name.
+
+    Example:
+        >>> check_compile_args(None, "eager", None, None, "yes", "warn")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `dynamic` to be True, False or None, but got 'yes'
+    """
+    known = backends()
+    if not isinstance(backend, str) or backend not in known:
+        raise ValueError(f"Expected `backend` to be one of {known}, but got {backend!r}")
+    if mode is not None:
+        import torch._inductor
+
+        check_choice("mode", mode, list(torch._inductor.list_mode_options()), " or None")
+    if options is not None:
+        if mode is not None:
+            raise ValueError("`mode` and `options` cannot both be set (torch.compile takes one or the other)")
+        _check_options(backend, options)
+    if modules != "auto":
+        check_globs("modules", modules)
+    check_bools(**bools)
+    check_choice("on_recompile_limit", on_recompile_limit, ON_RECOMPILE_LIMIT)
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ValueError(f"Expected `dynamic` to be True, False or None, but got {dynamic!r}")
+
+
+def _check_options(backend: str, options: Any) -> None:
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"Expected `options` to be a dict of Inductor option names to values, but got {options!r}")
+    if backend in ("eager", "aot_eager"):
+        raise ValueError(f"`options` are read by the inductor backend only; backend={backend!r} would ignore"
+                         f" {sorted(options)}. Drop `options` or use backend='inductor'.")
+    if backend != "inductor":
+        return  # a third-party backend reads its own options
+    import torch._inductor.config
+
+    defaults = torch._inductor.config.get_config_copy()
+    bad = [k for k in options if k not in defaults]
+    if bad:
+        hints = {k: difflib.get_close_matches(k, list(defaults), n=3) for k in bad}
+        raise ValueError(f"Unknown Inductor option(s) {bad} in `options`; close valid names: {hints}")
+    for key, value in options.items():
+        default = defaults[key]
+        if default is not None and value is not None and not _same_kind(value, type(default)):
+            raise ValueError(f"`options[{key!r}]` is {value!r}; Inductor expects a {type(default).__name__}"
+                             f" (default {default!r})")
+
+
+def _same_kind(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def make_backend(name: str, mode: str | None, options: dict[str, Any] | None,
+                 dynamic: bool | None) -> Callable[..., Any]:
+    """The backend as a callable, wrapped so opkit's precision mode stands aside while it compiles and runs.
+
+    The callable is what ``torch.compile`` builds from a name, mode and options; the mode's casts are already in the
+    graph, so meeting the mode again while the graph runs would decide twice.
+
+    Args:
+        name: the backend's name.
+        mode: an Inductor mode.
+        options: Inductor options.
+        dynamic: dynamic shapes.
+    """
+    if name == "inductor":
+        backend: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    else:
+        backend = torch._TorchCompileWrapper(name, mode, options, dynamic)
+    return suspending_backend(backend)

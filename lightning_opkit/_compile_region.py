@@ -1,0 +1,169 @@
+"""One compiled region at run time, Trainer-free: the forward that replaces the module's, and what it accounts.
+
+Per call: a profiler span named after the region, the compiled code (eagerly with ``eager_on_recompile`` once the
+region neared dynamo's recompile limit), eager fallback on a compile failure, recompiles counted against the region,
+and once, if asked, eager against compiled time on the call's own inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_opkit._compile_config import COMPILE_FAILURES
+from lightning_opkit._dynamo_watch import DynamoWatch
+from lightning_opkit._regions import Region, cache_entries, recompile_limit
+from lightning_opkit._replay import preserved
+
+__all__ = ["CompiledForward", "limit_message", "measure_speedup", "stance"]
+
+
+def stance() -> str:
+    """Dynamo's current stance (``"default"`` unless a replay or census forces eager)."""
+    # NaNDetector's replay and PrecisionPolicy's census force eager; a region switched to eager_on_recompile must not
+    # override that, nor be timed then.
+    from torch._dynamo.eval_frame import _stance
+
+    return _stance.stance
+
+
+def measure_speedup(module: torch.nn.Module, original: Callable[..., Any], compiled: Callable[..., Any],
+                    args: tuple, kwargs: dict, repeats: int = 3) -> float:
+    """Eager time over compiled time of ``module``'s forward on these inputs (median of ``repeats`` each).
+
+    Extra calls on the step's own inputs: buffers (BatchNorm statistics), metric states and every RNG are put back
+    afterwards and the outputs dropped, so training goes on as if they never ran.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with preserved(module):
+        for _ in range(repeats):
+            for is_compiled, fn in ((False, original), (True, compiled)):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+                times[is_compiled].append(time.perf_counter() - t0)
+    return statistics.median(times[False]) / max(statistics.median(times[True]), 1e-9)
+
+
+def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list[str]] | None:
+    """When ``region``'s code holds half of dynamo's recompile limit: the warning and the regions sharing the code.
+
+    Args:
+        region: the region that just recompiled.
+        regions: every region of the run, by name.
+    """
+    limit = recompile_limit()
+    entries = cache_entries(region.code)
+    if entries * 2 < limit:
+        return None
+    sharing = [r.name for r in regions.values() if r.code is region.code]
+    guard = region.recompile_reasons[-1] if region.recompile_reasons else "-"
+    guard = " ".join(guard.split())[:400]
+    return (f"TorchCompile: region {region.name or '<LightningModule>'!r} has {entries} compiled versions of its"
+            f" code (shared by {len(sharing)} region(s)), half of torch._dynamo.config.recompile_limit={limit};"
+            f" past the limit dynamo silently runs it eagerly. The guard that keeps failing: {guard}"), sharing
+
+
+class CompiledForward:
+    """What replaces a compiled module's ``forward``: run the compiled code, account for it, fall back if it fails.
+
+    Args:
+        module: the compiled module.
+        region: its record.
+        original: its eager ``forward``.
+        compiled: ``torch.compile(original, ...)``.
+        watch: the run's dynamo watch (counts compiles and recompiles).
+        on_failure: called with a compile failure before the call is rerun eagerly; ``None`` re-raises it.
+        on_recompile: called after a call that recompiled the region.
+        speedup: measure eager against compiled time once, after the region's third call.
+    """
+
+    def __init__(self, module: torch.nn.Module, region: Region, original: Callable[..., Any],
+                 compiled: Callable[..., Any], watch: DynamoWatch,
+                 on_failure: Callable[[BaseException], None] | None,
+                 on_recompile: Callable[[Region], None], speedup: bool) -> None:
+        self.module, self.region, self.original, self.compiled = module, region, original, compiled
+        self.watch, self.on_failure, self.on_recompile, self.speedup = watch, on_failure, on_recompile, speedup
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        region, watch = self.region, self.watch
+        region.calls += 1
+        compiles, recompiles = watch.compiles, len(watch.recompile_reasons)
+        watch.region = region
+        try:
+            with self._span():
+                out = self._run(args, kwargs)
+        except COMPILE_FAILURES as err:
+            if self.on_failure is None:
+                raise
+            self.on_failure(err)
+            return self.original(*args, **kwargs)
+        finally:
+            watch.region = None
+        if len(watch.recompile_reasons) != recompiles:
+            region.recompile_reasons += watch.recompile_reasons[recompiles:]
+            region.recompiles += len(watch.recompile_reasons) - recompiles
+            self.on_recompile(region)
+        elif self._time_now(compiles):
+            region.speedup = measure_speedup(self.module, self.original, self.compiled, args, kwargs)
+        return out
+
+    def _span(self) -> Any:
+        # While a profiler window records, the region's time is a span named after it.
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"opkit region {self.region.name or '<LightningModule>'}")
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        if self.region.eager and stance() == "default":
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return self.compiled(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+    def _time_now(self, compiles: int) -> bool:
+        # Once, in steady state: compiled already, nothing compiled by this call, not a forced-eager replay.
+        return (self.speedup and self.region.speedup is None and self.region.calls >= 3
+                and self.watch.compiles == compiles and stance() == "default" and torch.is_grad_enabled())
+
+
+def nothing_compiled(watch: DynamoWatch, regions: dict[str, Region], compiled: list[str], whole_forward: bool,
+                     batches: int) -> str | None:
+    """The warning when the first training steps compiled nothing (``None`` when they did, or had compiled before).
+
+    Judged by frames dynamo converted, not by calls into the wrapper: a census or NaN replay runs a step eagerly on
+    purpose.
+
+    Args:
+        watch: the run's dynamo watch.
+        regions: the compiled regions.
+        compiled: their paths.
+        whole_forward: ``modules=None`` (the LightningModule's forward).
+        batches: training batches run so far.
+    """
+    # Compiled code from an earlier fit (dynamo's cache is per code object) runs without converting a frame.
+    if watch.frames == 0 and not any(cache_entries(r.code) for r in regions.values()):
+        if watch.frames_attempted:
+            hint = (f"It tried {watch.frames_attempted} frame(s) of {compiled} and skipped them (run with"
+                    " TORCH_LOGS=graph_breaks to see why); they run eagerly.")
+        elif whole_forward:
+            hint = ("With modules=None only the LightningModule's forward is compiled, so training_step must"
+                    " call self(...); or name the submodules it does call in `modules`.")
+        else:
+            hint = f"Are the modules {compiled} called in training_step?"
+        return (f"TorchCompile: nothing was compiled in the first {batches} training step(s): dynamo converted no"
+                f" frame. {hint}")
+    if watch.frames and watch.graphs == 0:
+        breaks = ", ".join(list(watch.graph_breaks())[:3]) or "-"
+        return (f"TorchCompile: nothing was compiled in the first {batches} training step(s): dynamo converted"
+                f" {watch.frames} frame(s) of {compiled} but captured no graph, so they run eagerly. Graph breaks:"
+                f" {breaks}")
+    return None
