@@ -63,6 +63,18 @@ def policy_mode(table: dict[str, str], device: str) -> PolicyMode:
     return PolicyMode(state)
 
 
+def interleaved(variants: dict, step, reps: int) -> dict[str, list[float]]:
+    """Warm every variant up, then time them round robin, ``reps`` times each."""
+    for make in variants.values():
+        for _ in range(5):
+            step(make)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, make in variants.items():
+            times[name].append(step(make))
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
@@ -93,13 +105,7 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    for make in variants.values():
-        for _ in range(5):
-            step(make)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.reps):
-        for name, make in variants.items():
-            times[name].append(step(make))
+    times = interleaved(variants, step, args.reps)
     ops = BLOCKS * OPS_PER_BLOCK
     per_op = {name: statistics.median(ts) / ops * 1e6 for name, ts in times.items()}
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; {ops} governed ops per forward,"

@@ -153,13 +153,13 @@ def suite_precision_loop(args) -> None:
             for block in net.blocks:
                 block.compile()
         policy = PrecisionPolicy(census_every_n_steps=0)
-        policy._state.autocast_devices = ["cpu"]
+        policy._governor.state.autocast_devices = ["cpu"]
 
         def step(governed: bool, net=net, policy=policy) -> float:
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 if governed:
-                    with policy._mode:
+                    with policy._governor.mode:
                         loss = F.cross_entropy(net(x), y)
                 else:
                     loss = F.cross_entropy(net(x), y)

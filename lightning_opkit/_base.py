@@ -1,5 +1,6 @@
-"""What every opkit callback repeats: its TensorBoard writer, its reversible patches, the run summary, and a detach
-that is safe to run any number of times (teardown, an exception, a second fit).
+"""What every opkit callback repeats: its writer, its patches, the run summary, a detach that may run again.
+
+A detach runs at teardown, on an exception and at the next fit's setup; each of them is safe after the others.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ __all__ = ["OpkitCallback"]
 
 
 class OpkitCallback(Callback):
-    """Base of the opkit callbacks: subclasses fill in :meth:`summary_lines`, and optionally :meth:`_wind_down`
-    (finish what is open, before the summary) and :meth:`_release` (undo their own state, after it).
+    """Base of the opkit callbacks: a writer, patches, the summary, teardown and exception handled alike.
+
+    Subclasses fill in :meth:`summary_lines`, and optionally :meth:`_wind_down` (finish what is open, before the
+    summary) and :meth:`_release` (undo their own state, after it).
 
     On ``teardown`` and ``on_exception`` alike: wind down, write the run summary (first opkit callback only), restore
     every patch and hook, release, close the writer. Everything after the wind-down is idempotent.

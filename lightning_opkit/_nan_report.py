@@ -11,8 +11,10 @@ __all__ = ["Cause", "NaNReport", "NonFiniteError", "Origin", "format_report"]
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a replay saw the first non-finite value: a module's output or input-gradient, a parameter's gradient,
-    the loss, or nowhere (``module=None``: the check saw it, the replay did not).
+    """Where a replay saw the first non-finite value.
+
+    That is a module's output or input-gradient, a parameter's gradient, the loss, or nowhere (``module=None``: the
+    check saw it, the replay did not).
 
     Args:
         phase: ``"forward"``, ``"backward"`` or ``"loss"``.
@@ -65,8 +67,9 @@ TRANSIENT = Cause("transient", "seen by the check, not reproduced by the replay:
 
 @dataclass(frozen=True)
 class NaNReport:
-    """One non-finite event: the step, the origin, the cause and the action; :meth:`as_dict` is its public view
-    (``NaNDetector.events``, ``NonFiniteError.report``, checkpoints).
+    """One non-finite event: the step, the origin, the cause and the action.
+
+    :meth:`as_dict` is its public view (``NaNDetector.events``, ``NonFiniteError.report``, checkpoints).
 
     Args:
         step: the global step.

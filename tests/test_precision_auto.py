@@ -126,9 +126,13 @@ def test_auto_on_this_cpu_follows_the_measured_speed(tmp_path):
     assert all(r.error >= best.error for r in good if r.ms <= 1.02 * min(g.ms for g in good))
     # plain autocast chosen: every class left to autocast ("keep")
     assert {c: d.dtype for c, d in policy.decisions.items()} == (best.table or dict.fromkeys(policy.decisions, "keep"))
-    if NO_BF16_UNITS:  # AVX2 only: bf16 GEMMs are emulated and far slower, so no lowered table is even run
-        assert best.name == "fp32"
-        assert all(r.skipped for r in choice.runs[1:] if "matmul" in r.table)
+    assert len(choice.runs[0].samples) == 2  # the fp32 reference is always timed twice, like the close contenders
+    matmul = policy.measurements.get("matmul", "bf16")
+    if NO_BF16_UNITS and matmul.speed > 3:
+        # bf16 GEMMs emulated and measured far slower (~11x on an AVX2 Xeon): no table lowering them is even run.
+        # At tiny widths the emulation can cost little (1.3x on an AVX2 EPYC): then the runs decide, as above.
+        assert best.table.get("matmul", "fp32") == "fp32"
+        assert all(r.skipped for r in choice.runs[1:] if r.table.get("matmul") == "bf16" or r.autocast)
     fixed = {cls: policy.table[cls] for cls in ("matmul", "norm", "softmax", "loss") if policy.table[cls] != "keep"}
     seen = {"matmul": model.seen["matmul"], "norm": model.seen["norm"], "softmax": model.seen["softmax"],
             "loss": model.seen["loss"]}
@@ -159,8 +163,12 @@ class Injected(PrecisionPolicy):
     def __init__(self, rows, **kwargs):
         super().__init__(rules="auto", **kwargs)
         self.rows = rows
+        # rules="auto"'s Trainer-free part measures (and, in Chosen, chooses) through these instead.
+        self._auto._measure = self._measure
+        if hasattr(self, "_choose"):
+            self._auto._choose = self._choose
 
-    def _measure(self, trainer, pl_module, batch, batch_idx, **kwargs):
+    def _measure(self, model, batch, loss_fn, **kwargs):
         return PrecisionMeasurements(self.rows, device="injected", loss=1.0, seconds=0.0)
 
 

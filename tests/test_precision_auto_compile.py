@@ -11,9 +11,9 @@ from lightning_opkit import TorchCompile
 class Changing(Injected):
     """Measures "pointwise is slower in bf16" first, "faster" at the re-measurement."""
 
-    def _measure(self, trainer, pl_module, batch, batch_idx, **kwargs):
+    def _measure(self, model, batch, loss_fn, **kwargs):
         self.rows = [_row("pointwise", speed=2.0 if self._measured_at == 0 else 0.3)]
-        return super()._measure(trainer, pl_module, batch, batch_idx, **kwargs)
+        return super()._measure(model, batch, loss_fn, **kwargs)
 
 
 def test_compiled_regions_follow_a_decision_taken_after_they_were_compiled(tmp_path):

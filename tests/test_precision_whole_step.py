@@ -130,7 +130,7 @@ class Chosen(Injected):
         super().__init__(rows, **kwargs)
         self.pick, self.others_ms, self.autocast_ms = pick, others_ms, autocast_ms
 
-    def _choose(self, trainer, pl_module, batch, batch_idx, rows, per_class, dtypes):
+    def _choose(self, model, batch, loss_fn, rows, per_class, dtypes, agree, compiled):
         self.candidates = candidate_tables(per_class, sorted(per_class), "bf16")
         runs = [TableRun(name, table, ms=300.0 if name == "fp32" else 90.0 if name == self.pick else self.others_ms,
                          loss_change=0.0 if name == "fp32" else 1e-5, grad_cosine=1.0 if name == "fp32" else 0.9999)
@@ -355,3 +355,37 @@ def test_no_candidate_leaves_a_gemm_to_keep_so_none_fails_on_mixed_inputs():
         choice = choose_table(runner, tables, [], 0.01, 1)
     assert [(r.name, r.failed) for r in choice.runs if r.failed] == []
     assert all(r.ms is not None for r in choice.runs)
+
+
+def test_a_re_measurement_during_the_trials_ends_the_trial_step_in_progress():
+    # measure_every_n_steps can re-measure while the last measurement's contenders are still on trial: the step begun
+    # for one of them must not be booked to the new trials, whose contenders may be others (a KeyError before).
+    from lightning_opkit.precision.auto import AutoPrecision
+    from lightning_opkit.precision.measure import PrecisionMeasurements
+
+    auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_rounds=2)
+    names = iter([("a", "b"), ("c", "d")])
+
+    def choose(model, batch, loss_fn, rows, per_class, dtypes, agree, compiled):
+        first, second = next(names)
+        runs = [TableRun("fp32", {"matmul": "fp32"}, ms=300.0, loss_change=0.0, grad_cosine=1.0),
+                TableRun(first, {"matmul": "bf16"}, ms=100.0, loss_change=1e-5, grad_cosine=0.9999),
+                TableRun(second, {"matmul": "bf16"}, ms=101.0, loss_change=1e-5, grad_cosine=0.9999)]
+        return StepChoice(runs, first, rows=1, seconds=0.0, tolerance=0.01)
+
+    auto._measure = lambda model, batch, loss_fn, **kwargs: PrecisionMeasurements(
+        [_row("matmul", speed=0.4, loss=None, cos=None)], device="given", loss=1.0, seconds=0.0)
+    auto._choose = choose
+    cpu, same = torch.device("cpu"), lambda value: value
+    decide = lambda: auto.measure_and_decide(None, torch.zeros(8, 2), None, 0, ["bf16"], same, False, False)  # noqa: E731
+    decide()
+    assert auto.trialing
+    assert auto.begin_trial_step(cpu, census_step=False).classes["matmul"][0] == "bf16"  # "a" begins
+    decide()  # contenders "c" and "d" now
+    assert auto.end_trial_step(cpu, same) is None
+    for _ in range(4):  # c d d c: the new trials run to the end and pick one of theirs
+        auto.begin_trial_step(cpu, census_step=False)
+        plan = auto.end_trial_step(cpu, same)
+    assert plan is not None
+    assert auto.choice.chosen in ("c", "d")
+    assert not auto.trialing

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_opkit._replay import autocast_off, rng_state, set_rng_state
+from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
 
 # Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
@@ -173,3 +174,35 @@ def merge_rows(rows: list[CensusRow], by: Callable[[CensusRow], Any]) -> dict[An
             if value is not None:
                 entry[name] = value if entry[name] is None else pick(entry[name], value)
     return out
+
+
+#: fp16 outputs closer than this many bits to finfo(fp16).max are warned about
+WARN_BITS = 4.0
+
+
+def near_overflow(rows: list[CensusRow]) -> list[CensusRow]:
+    """The fp16 rows within :data:`WARN_BITS` of overflow."""
+    return [r for r in rows if r.headroom_bits is not None and r.headroom_bits < WARN_BITS]
+
+
+def census_markdown(rows: list[CensusRow], table: dict[str, str]) -> str:
+    """``opkit/precision/census``: one row per class and dtype, what decided it, its error, underflow, headroom.
+
+    Args:
+        rows: the census rows.
+        table: the policy's class rules (op class -> dtype name).
+    """
+    def sci(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2e}"
+
+    text = markdown_table(
+        ["op class", "ran in", "decided by", "calls", "rel. error vs fp32", "underflow frac", "max abs output",
+         "fp16 headroom bits"],
+        [[r.op_class, r.dtype, "module override" if r.override else f"class rule ({table[r.op_class]})", r.calls,
+          sci(r.rel_error), sci(r.underflow_frac), r.absmax, "-" if r.headroom_bits is None else r.headroom_bits]
+         for r in rows])
+    near = near_overflow(rows)
+    if near:
+        text += "\n\n**Near overflow:** " + ", ".join(f"{r.op_class} in fp16 ({r.headroom_bits:.1f} bits)"
+                                                      for r in near)
+    return text

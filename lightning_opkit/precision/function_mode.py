@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_opkit._replay import rng_state
+from lightning_opkit._replay import autocast_off, rng_state
 from lightning_opkit._suspend import _SUSPENDED
 from lightning_opkit.opclass import OP_CLASSES, function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
@@ -95,7 +95,9 @@ class PolicyMode(TorchFunctionMode):
         super().__init__()
         self.state = state
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+    # One function on purpose: every torch call of an eager step runs it, and each call or attribute lookup split
+    # out of it costs host time per op (benchmarks/host_cost.py measures it).
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),  # noqa: C901
                            kwargs: dict | None = None) -> Any:
         if torch.compiler.is_compiling():
             return self._governed(func, args, kwargs or {}, True)
@@ -129,10 +131,7 @@ class PolicyMode(TorchFunctionMode):
             elif isinstance(a, (list, tuple)):
                 a = cast(a, dtype)
             cast_args.append(a)
-        if kwargs:
-            kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
-        else:
-            kwargs = {}
+        kwargs = {k: cast(v, dtype) for k, v in kwargs.items()} if kwargs else {}
         if not devices:
             return func(*cast_args, **kwargs)
         # The policy, not autocast, decides: autocast would recast the inputs just cast.
@@ -158,32 +157,7 @@ class PolicyMode(TorchFunctionMode):
         if dtype is None or inplace or "out" in kwargs:
             out = func(*args, **kwargs)
         else:
-            written: list[tuple[Tensor, Tensor]] = []
-            if func in UPDATED_ARGS:
-                args, kwargs, written = _cast_updated(func, args, kwargs, dtype)
-            args = tuple(cast(a, dtype) for a in args)
-            if kwargs:
-                kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
-            if not state.autocast_devices:
-                out = func(*args, **kwargs)
-            elif compiling:
-                # The policy, not autocast, decides: autocast would recast the inputs we just cast.
-                with torch.autocast(state.autocast_devices[0], enabled=False):
-                    out = func(*args, **kwargs)
-            else:
-                device = state.autocast_devices[0]
-                enabled = torch.is_autocast_enabled(device)
-                if enabled:
-                    torch.set_autocast_enabled(device, False)
-                try:
-                    out = func(*args, **kwargs)
-                finally:
-                    if enabled:
-                        torch.set_autocast_enabled(device, True)
-            if written:
-                with torch.no_grad():
-                    for buffer, copy in written:
-                        buffer.copy_(copy)
+            out = self._cast_and_run(func, args, kwargs, dtype, compiling)
         if rng is not None and census is not None:
             # Census steps only: the op again in fp32 on the inputs it was given, for its error and underflow.
             ref = None
@@ -191,6 +165,32 @@ class PolicyMode(TorchFunctionMode):
                 ref = fp32_reference(func, given_args, given_kwargs, rng)
             census.record(cls, out, bool(stack), ref)
         return out
+
+    def _cast_and_run(self, func: Callable[..., Any], args: tuple, kwargs: dict, dtype: torch.dtype,
+                      compiling: bool) -> Any:
+        written: list[tuple[Tensor, Tensor]] = []
+        if func in UPDATED_ARGS:
+            args, kwargs, written = _cast_updated(func, args, kwargs, dtype)
+        args = tuple(cast(a, dtype) for a in args)
+        kwargs = {k: cast(v, dtype) for k, v in kwargs.items()} if kwargs else {}
+        devices = self.state.autocast_devices
+        if not devices:
+            out = func(*args, **kwargs)
+        else:
+            # The policy, not autocast, decides: autocast would recast the inputs just cast.
+            with _autocast_off(devices[0], compiling):
+                out = func(*args, **kwargs)
+        if written:
+            with torch.no_grad():
+                for buffer, copy in written:
+                    buffer.copy_(copy)
+        return out
+
+
+def _autocast_off(device: str, compiling: bool) -> Any:
+    if compiling:
+        return torch.autocast(device, enabled=False)  # traced: the context manager is what dynamo understands
+    return autocast_off()
 
 
 def match_weight_dtype(module: torch.nn.Module, args: tuple) -> tuple | None:

@@ -1,0 +1,244 @@
+"""``rules="auto"``, Trainer-free: measure each class, run the whole-step candidates, confirm them on real steps.
+
+Every rank measures (a SyncBatchNorm's collectives need every rank in each forward) and every rank runs what rank
+zero decided: each decision goes through ``agree`` (the strategy's broadcast from rank zero), so all ranks run the same
+tables, the same numerics and the same compiled graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_opkit._replay import loss_of
+from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
+from lightning_opkit.precision.decide import MIN_SPEEDUP, Decision, decide
+from lightning_opkit.precision.measure import Measurement, PrecisionMeasurements, StepRunner, measure_precision
+from lightning_opkit.precision.trials import Trials
+
+__all__ = ["AutoPrecision", "Plan"]
+
+#: rank zero's value, on every rank
+Agree = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the policy runs from now on: op class -> ``(dtype name, why)``, or plain autocast in ``autocast``.
+
+    Args:
+        classes: the dtype of each class the model was seen to run, and why.
+        autocast: the dtype of plain ``torch.autocast``, when that is what won.
+    """
+
+    classes: dict[str, tuple[str, str]]
+    autocast: str | None = None
+
+
+class AutoPrecision:
+    """The measurements, the whole-step choice and the trials of ``rules="auto"``, for one policy.
+
+    Args:
+        tolerance: the largest relative loss change and ``1 - cosine`` of the gradients allowed.
+        whole_step: choose among whole-step candidates (else per class, as timed and lowered alone).
+        trial_rounds: steps per contender confirmed on real training steps (0 = none).
+
+    Example:
+        >>> auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_rounds=2)
+        >>> auto.measure_seconds, auto.trialing
+        (0.0, False)
+    """
+
+    def __init__(self, tolerance: float, whole_step: bool, trial_rounds: int) -> None:
+        self.tolerance = tolerance
+        self.whole_step = whole_step
+        self.trial_rounds = trial_rounds
+        self.measurements: PrecisionMeasurements | None = None
+        self.choice: StepChoice | None = None
+        self.per_class: dict[str, tuple[str, str]] = {}  # rank zero's per-class decisions: (dtype, why)
+        self._trials: Trials | None = None
+        self._trial_step: tuple[str, float] | None = None  # the contender of this batch and when it began
+
+    @property
+    def measure_seconds(self) -> float:
+        """What the last measurement cost: per-class timing plus the candidate runs."""
+        if self.measurements is None:
+            return 0.0
+        return self.measurements.seconds + (self.choice.seconds if self.choice is not None else 0.0)
+
+    @property
+    def trialing(self) -> bool:
+        """Whether contenders are being confirmed on the coming training steps."""
+        return self._trials is not None
+
+    def reset(self) -> None:
+        """Forget trials in progress (a new fit)."""
+        self._trials = self._trial_step = None
+
+    # measure and decide
+
+    def measure_and_decide(self, model: Any, batch: Any, training_step: Callable[..., Any], batch_idx: int,
+                           dtypes: list[str], agree: Agree, compiled: bool, accumulating: bool) -> Plan:
+        """Measure on ``batch`` (its first rows, with ``whole_step``), decide, and say what to run now.
+
+        Args:
+            model: the LightningModule.
+            batch: the first training batch.
+            training_step: the user's own ``training_step``.
+            batch_idx: its index.
+            dtypes: the 16-bit dtypes to consider.
+            agree: rank zero's value on every rank.
+            compiled: TorchCompile is attached (compiled ties go to plain autocast; no trials).
+            accumulating: gradient accumulation (no trials).
+        """
+        loss_fn = _loss_fn(training_step, batch_idx)
+        if self.whole_step:
+            # Per-class timings on the rows the candidates run on: they only rank and prune the candidates, whose
+            # own runs decide; errors are measured per table, as a whole.
+            measurements = self._measure(model, first_rows(batch)[0], loss_fn, dtypes=dtypes, errors=False, reps=3)
+        else:
+            measurements = self._measure(model, batch, loss_fn, dtypes=dtypes)
+        decisions = decide(measurements, self.tolerance, dtypes, require_errors=not self.whole_step) \
+            if measurements is not None else {}
+        chosen = agree({c: (d.dtype, d.reason) for c, d in decisions.items()})
+        choice = None
+        if self.whole_step and chosen:
+            # The candidates come from rank zero's per-class decisions, so every rank runs the same tables.
+            choice = agree(self._choose(model, batch, loss_fn, measurements.rows if measurements else [],
+                                        {c: d for c, (d, _) in chosen.items()}, dtypes, agree, compiled))
+        self.per_class, self.choice, self.measurements = chosen, choice, measurements
+        # A re-measurement ends the trials of the last one, and the step it began for one of their contenders.
+        self.reset()
+        if choice is None:
+            return Plan(chosen)
+        if self.trial_rounds and len(choice.contenders()) > 1:
+            if compiled or accumulating:
+                choice.trial = "not run (" + ("TorchCompile attached: each table would recompile" if compiled
+                                              else "gradient accumulation") + ")"
+            else:
+                self._trials = Trials(choice.contenders(), self.trial_rounds)
+        return self.plan_for(choice.chosen)
+
+    def _measure(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor],
+                 **kwargs: Any) -> PrecisionMeasurements | None:
+        if not getattr(model, "automatic_optimization", True):
+            # Its training_step steps the optimizers itself: running it again would train on the batch again.
+            rank_zero_warn("PrecisionPolicy cannot measure a model with manual optimization (its training_step steps"
+                           " the optimizers); the policy keeps its table.")
+            return None
+        try:
+            return measure_precision(model, lambda: batch, device=model.device, loss_fn=loss_fn, **kwargs)
+        except Exception as err:  # a measurement that fails must not end the training it was meant to speed up
+            rank_zero_warn(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
+                           f" keeps its table (every class in fp32).")
+            return None
+
+    def _choose(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor], rows: list[Measurement],
+                per_class: dict[str, str], dtypes: list[str], agree: Agree, compiled: bool) -> StepChoice | None:
+        """Run the whole-step candidates on the first rows of ``batch`` and choose one (``None`` if that fails)."""
+        low = per_class["matmul"] if per_class.get("matmul") in dtypes else dtypes[0]
+        tables = candidate_tables(per_class, sorted(per_class, key=OP_CLASSES.index), low)
+        sub, n = first_rows(batch)
+        runner = StepRunner(model, sub, loss_fn)
+        try:
+            with runner.session():
+                return choose_table(runner, tables, rows, self.tolerance, n, low, agree=agree, compiled=compiled)
+        except Exception as err:
+            rank_zero_warn(f"PrecisionPolicy could not run the whole-step candidates ({type(err).__name__}: {err});"
+                           f" it keeps the per-class decisions.")
+            return None
+
+    def plan_for(self, name: str) -> Plan:
+        """The plan of candidate ``name`` of the current choice."""
+        assert self.choice is not None
+        run = next(r for r in self.choice.runs if r.name == name)
+        # Plain autocast leaves every class to autocast: "keep" for the policy, whose mode stands aside.
+        table = run.table or dict.fromkeys(self.per_class, "keep")
+        what = f"plain torch.autocast in {run.autocast}" if run.autocast else f"table '{run.name}'"
+        return Plan({c: (table[c], f"{what} ({run.figures()}); per class:"
+                                   f" {self.per_class[c][1] if c in self.per_class else '-'}") for c in table},
+                    run.autocast)
+
+    # trials: the contenders on real training steps
+
+    def begin_trial_step(self, device: torch.device, census_step: bool) -> Plan | None:
+        """At a batch's start while trialing: the contender this step runs (``None`` on a census step)."""
+        assert self._trials is not None
+        if census_step:
+            self._trial_step = None  # a census step recomputes every op in fp32: not a fair sample
+            return None
+        name = self._trials.next()
+        plan = self.plan_for(name)
+        _sync(device)
+        self._trial_step = (name, time.perf_counter())
+        return plan
+
+    def end_trial_step(self, device: torch.device, agree: Agree) -> Plan | None:
+        """At a batch's end: time the contender; when every contender had its steps, the winner's plan."""
+        trials, taken = self._trials, self._trial_step
+        self._trial_step = None
+        if trials is None or taken is None or self.choice is None:
+            return None
+        _sync(device)
+        trials.add(taken[0], 1e3 * (time.perf_counter() - taken[1]))
+        if not trials.done:
+            return None
+        # Rank zero's step times decide, so every rank trains on with the same table.
+        self.choice.chosen = agree(trials.winner())
+        self.choice.trial = agree(trials.describe())
+        self._trials = None
+        return self.plan_for(self.choice.chosen)
+
+    def abandon_trials(self) -> Plan | None:
+        """The fit ended before every contender had its steps: the choice on the measured rows stands."""
+        if self._trials is None or self.choice is None:
+            return None
+        taken, total = self._trials.taken, len(self._trials.order)
+        self.choice.trial = f"not finished (the fit ended after {taken} of {total} trial steps)"
+        self.reset()
+        return self.plan_for(self.choice.chosen)
+
+    # what it shows
+
+    def sensitivity_markdown(self, decided: dict[str, str]) -> str:
+        """``opkit/precision/sensitivity``: each class's measurements, then the candidates (assumes measurements)."""
+        assert self.measurements is not None
+        text = self.measurements.table(decided)
+        return text + ("\n\n" + self.choice.table() if self.choice is not None else "")
+
+    def decision_markdown(self, decisions: dict[str, Decision], note: str = "") -> str:
+        """``opkit/precision/decision``: the rule, the comparison with bf16-mixed, each class's evidence."""
+        assert self.measurements is not None
+        head = (f"tolerance {self.tolerance:g}, at least {MIN_SPEEDUP:.2f}x faster than fp32; measured on"
+                f" {self.measurements.device}.\n\n")
+        if self.choice is not None:
+            head += f"{self.choice.comparison()}.\n\n"
+        if note:
+            head += f"{note}.\n\n"
+        evidence = markdown_table(["op class", "dtype", "evidence"], [[c, d.dtype, d.reason]
+                                                                      for c, d in decisions.items()])
+        return head + evidence + ("\n\n" + self.choice.table() if self.choice is not None else "")
+
+
+def _loss_fn(training_step: Callable[..., Any], batch_idx: int) -> Callable[[torch.nn.Module, Any], Tensor]:
+    def loss_fn(model: torch.nn.Module, b: Any) -> Tensor:
+        loss = loss_of(training_step(b, batch_idx))
+        if loss is None:
+            raise ValueError("training_step returned no loss")
+        return loss
+
+    return loss_fn
+
+
+def _sync(device: torch.device) -> None:
+    # Trial steps only: a CUDA step's time is its kernels', not their launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,107 @@
+"""PrecisionPolicy's arguments: checked at construction (naming the bad value and the valid ones), and the table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_opkit._checks import check_bools, check_fraction, check_int
+from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST
+
+__all__ = ["DEFAULT_RULES", "check_policy_args", "initial_table"]
+
+#: GEMMs and GELU-like activations on Tensor Cores in bf16; variance, exponent and large-sum ops in fp32.
+DEFAULT_RULES: dict[str, str] = {
+    "matmul": "bf16", "conv": "bf16", "attention": "bf16", "activation": "bf16",
+    "norm": "fp32", "softmax": "fp32", "loss": "fp32", "reduction": "fp32",
+}
+
+
+def check_policy_args(rules: Any, default: Any, modules: Any, tolerance: Any, counts: dict[str, Any],
+                      flags: dict[str, Any]) -> None:
+    """Raise for the first bad ``PrecisionPolicy`` argument.
+
+    Args:
+        rules: ``"auto"``, op class -> dtype name, or ``None``.
+        default: a dtype name.
+        modules: module glob -> dtype name, or ``None``.
+        tolerance: a number in ``[0, 1)``.
+        counts: the int arguments (at least 0), by name.
+        flags: the bool arguments, by name.
+
+    Example:
+        >>> check_policy_args({"matmul": "half"}, "keep", None, 0.01, {}, {})
+        Traceback (most recent call last):
+        ...
+        ValueError: `rules['matmul']` is 'half'; expected one of ['fp32', 'bf16', 'fp16', 'keep']
+    """
+    valid = list(DTYPES)
+    if not isinstance(default, str) or default not in DTYPES:
+        raise ValueError(f"Expected `default` to be one of {valid}, but got {default!r}")
+    if rules != "auto" and rules is not None and not isinstance(rules, dict):
+        raise ValueError(f"Expected `rules` to be 'auto', a dict of op class -> dtype (for example"
+                         f" {{'matmul': 'bf16'}}) or None, but got {rules!r}")
+    _check_rules(rules if isinstance(rules, dict) else {})
+    if modules is not None and not isinstance(modules, dict):
+        raise ValueError(f"Expected `modules` to be a dict of module glob -> dtype (for example"
+                         f" {{'model.head': 'fp32'}}) or None, but got {modules!r}")
+    for key, value in (modules or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str) or value not in DTYPES:
+            raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
+    for name, value in counts.items():
+        check_int(name, value, 0)
+    check_bools(**flags)
+    check_fraction("tolerance", tolerance, "relative loss change and 1 - gradient cosine")
+
+
+def _check_rules(rules: dict[Any, Any]) -> None:
+    governed = list(GOVERNED)
+    for key, value in rules.items():
+        if key in NEVER_CAST:
+            raise ValueError(f"`rules` cannot set op class {key!r}: the policy never casts it. Valid classes are"
+                             f" {governed}")
+        if not isinstance(key, str) or key not in OP_CLASSES:
+            raise ValueError(f"`rules` names unknown op class {key!r}; valid classes are {governed}")
+        if not isinstance(value, str) or value not in DTYPES:
+            raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {list(DTYPES)}")
+
+
+def initial_table(rules: str | dict[str, str] | None, default: str) -> dict[str, str]:
+    """Op class -> dtype name before anything is measured: every class in fp32 under ``"auto"``.
+
+    Args:
+        rules: as given to the policy.
+        default: the dtype of classes neither ``rules`` nor :data:`DEFAULT_RULES` names.
+
+    Example:
+        >>> initial_table({"norm": "bf16"}, "keep")["norm"], initial_table("auto", "keep")["matmul"]
+        ('bf16', 'fp32')
+    """
+    if rules == "auto":
+        table = dict.fromkeys(GOVERNED, "fp32")
+    else:
+        table = {cls: DEFAULT_RULES.get(cls, default) for cls in OP_CLASSES}
+        table.update(rules or {})  # type: ignore[arg-type]
+    table.update(dict.fromkeys(NEVER_CAST, "keep"))
+    return table
+
+
+def check_fp16(table: dict[str, str], fp16_modules: list[str], scaler: bool, precision: str) -> None:
+    """Raise at setup when something runs in fp16 without a GradScaler to scale the loss.
+
+    Args:
+        table: op class -> dtype name.
+        fp16_modules: paths of the modules overridden to fp16.
+        scaler: whether the Trainer's precision plugin has a GradScaler.
+        precision: the Trainer's precision, for the message.
+
+    Example:
+        >>> check_fp16({"matmul": "fp16"}, [], scaler=True, precision="16-mixed")
+    """
+    users = [cls for cls, name in table.items() if name == "fp16"] + [f"module {m}" for m in fp16_modules]
+    if users and not scaler:
+        raise ValueError(
+            f"PrecisionPolicy runs {users} in fp16, which needs loss scaling, but Trainer(precision="
+            f"{precision!r}) has no GradScaler. Use Trainer(precision='16-mixed') (its GradScaler scales"
+            f" the loss), or run those in 'bf16', which has fp32's range."
+        )

@@ -1,0 +1,143 @@
+"""How one step runs under a PrecisionPolicy, Trainer-free: its mode, module overrides, plain autocast, census.
+
+A step runs in one of three ways: under the policy's function mode (a table to apply, a module override, a census
+step, a NaN cause replay's fp32 region); under plain ``torch.autocast`` (``rules="auto"`` chose it); or as written
+(fp32 decided everywhere on an fp32 model: the mode's per-op cost is not paid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_opkit._patch import Patches
+from lightning_opkit.precision.census import Census
+from lightning_opkit.precision.dtypes import DTYPES
+from lightning_opkit.precision.function_mode import ModeState, PolicyMode
+from lightning_opkit.precision.measure import OpLog
+
+__all__ = ["StepGovernor"]
+
+
+class StepGovernor:
+    """Wraps step methods so each runs as the policy says, and hands the census and op log of a step to its owner.
+
+    Args:
+        table: op class -> dtype name, to start with.
+
+    Example:
+        >>> governor = StepGovernor({"matmul": "bf16"})
+        >>> step = governor.wrap(lambda x: (x @ x).dtype, is_training=True)
+        >>> step(torch.ones(2, 2))
+        torch.bfloat16
+    """
+
+    def __init__(self, table: dict[str, str]) -> None:
+        self.state = ModeState(table)
+        self.mode = PolicyMode(self.state)
+        #: the step runs without the mode: fp32 everywhere on an fp32 model, or plain autocast
+        self.passthrough = False
+        #: plain autocast in this dtype name (``rules="auto"`` chose it), on ``autocast_device``
+        self.autocast: str | None = None
+        self.autocast_device = "cpu"
+        #: the next training step is a census step
+        self.census_step = False
+        #: set to record the next training step's ops (the speed check); moved to ``recorded`` when it ran
+        self.speed_log: OpLog | None = None
+        self.recorded: OpLog | None = None
+        #: the census of the last census step, until its owner logs it
+        self.census_done: Census | None = None
+        self._forced: list[torch.dtype | None] = []  # a dtype for the whole step (running_in(None, ...))
+        self._overriding = 0  # running_in() contexts open: the mode must run
+
+    def set_table(self, table: dict[str, str]) -> None:
+        """Run ``table`` from the next op on."""
+        self.state.set_table(table)
+
+    def clear(self) -> None:
+        """Forget the current step's module stack and anything recorded (a detach)."""
+        self.state.module_stack.clear()
+        self.state.census = self.census_done = None
+        self.speed_log = self.recorded = None
+
+    def hold_override(self, patches: Patches, module: torch.nn.Module, dtype: torch.dtype | None) -> None:
+        """Every op inside ``module`` runs in ``dtype`` (``None``: as its class rule says), while ``patches`` hold."""
+
+        def push(module: torch.nn.Module, args: Any) -> None:
+            self.state.module_stack.append(dtype)
+
+        def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self.state.module_stack:
+                self.state.module_stack.pop()
+
+        patches.hold(module.register_forward_pre_hook(push))
+        patches.hold(module.register_forward_hook(pop, always_call=True))
+
+    @contextlib.contextmanager
+    def running_in(self, module: torch.nn.Module | None, dtype: str) -> Iterator[None]:
+        """Inside, every op in ``module`` (``None``: in the whole step) runs in ``dtype``."""
+        patches = Patches()
+        self._overriding += 1
+        if module is None:
+            self._forced.append(DTYPES[dtype])
+        else:
+            self.hold_override(patches, module, DTYPES[dtype])  # after the module overrides: wins
+        try:
+            yield
+        finally:
+            patches.restore()
+            self._overriding -= 1
+            if module is None:
+                self._forced.pop()
+
+    def runs_mode(self, is_training: bool) -> bool:
+        """Whether this step runs under the policy's mode (else the model runs as written, or under autocast)."""
+        if self._overriding or not self.passthrough:
+            return True  # a NaN cause replay's fp32 region, or a table to apply
+        if self.autocast is not None:
+            return is_training and self.census_step  # census steps count what autocast ran (an all-keep table)
+        return bool(self.state.autocast_devices)  # fp32 decided, but the Trainer's autocast would lower ops
+
+    def wrap(self, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:
+        """``step`` (a LightningModule's step method), run as the policy says."""
+
+        def run_step(*args: Any, **kwargs: Any) -> Any:
+            device = self.autocast_device
+            if self.autocast is not None and not torch.is_autocast_enabled(device):
+                # rules="auto" chose plain autocast: the step runs as under precision="bf16-mixed".
+                with torch.autocast(device, dtype=DTYPES[self.autocast]):
+                    return self._governed(step, is_training, args, kwargs)
+            return self._governed(step, is_training, args, kwargs)
+
+        return run_step
+
+    def _governed(self, step: Callable[..., Any], is_training: bool, args: tuple, kwargs: dict) -> Any:
+        state = self.state
+        state.module_stack.clear()
+        state.module_stack.extend(self._forced)
+        state.autocast_devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+        if not self.runs_mode(is_training):
+            self.census_step = False  # the policy runs nothing: nothing to count either
+            return step(*args, **kwargs)
+        log = census = None
+        if is_training and self.speed_log is not None:
+            log, self.speed_log = self.speed_log, None  # this step's own run only, not a NaN replay of it
+        if is_training and self.census_step:
+            # Only the batch's own step is counted, not a NaNDetector replay of it.
+            self.census_step = False
+            census = state.census = Census()
+        # A census step runs eagerly even where TorchCompile compiled the model, so every op is counted; so does the
+        # speed check's recording step, so its log sees each op as the model called it. Only those steps pay.
+        eager = (torch.compiler.set_stance("force_eager") if census is not None or log is not None
+                 else contextlib.nullcontext())
+        try:
+            with eager, self.mode, log or contextlib.nullcontext():
+                return step(*args, **kwargs)
+        finally:
+            if census is not None:
+                state.census, self.census_done = None, census
+            if log is not None:
+                self.recorded = log

@@ -1,0 +1,94 @@
+"""What PrecisionPolicy shows: the policy table, the census in TensorBoard, and its lines of the run summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow
+from lightning_opkit.precision.decide import Decision
+from lightning_opkit.precision.dtypes import GOVERNED
+
+__all__ = ["ASIDE", "policy_markdown", "summary_lines", "write_census"]
+
+ASIDE = "nothing lowered on this fp32 model: the policy stands aside (the model runs as written, no census)"
+
+
+def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], modules: dict[str, str],
+                    waiting: bool) -> str:
+    """``opkit/precision/policy``: each class's dtype and why, then the module overrides.
+
+    Args:
+        table: op class -> dtype name.
+        decisions: ``rules="auto"``'s decisions, by class.
+        modules: the module overrides.
+        waiting: ``rules="auto"`` before its measurement.
+
+    Example:
+        >>> print(policy_markdown({c: "fp32" for c in OP_CLASSES}, {}, {}, waiting=False).splitlines()[2])
+        | matmul | fp32 | - |
+    """
+    rows = [[cls, table[cls], decisions[cls].reason if cls in decisions else "-"] for cls in OP_CLASSES]
+    rows += [[f"module {k}", v, "module override"] for k, v in modules.items()]
+    text = markdown_table(["op class / module", "dtype", "why"], rows)
+    if waiting:
+        text = "rules='auto': every class in fp32 until measured at the first training batch.\n\n" + text
+    return text
+
+
+def write_census(writer: TensorBoardWriter | None, rows: list[CensusRow], table: dict[str, str], step: int) -> None:
+    """Warn about fp16 classes near overflow (rank zero); write the census scalars and table.
+
+    Args:
+        writer: the policy's writer (``None``: warnings only).
+        rows: the census rows.
+        table: op class -> dtype name.
+        step: the global step.
+    """
+    for r in near_overflow(rows):
+        rank_zero_warn(f"PrecisionPolicy: op class {r.op_class!r} in fp16 is {r.headroom_bits:.1f} bits from"
+                       f" overflow at step {step} (max |output| near finfo(fp16).max); consider running it in"
+                       f" 'fp32' or 'bf16'.")
+    if writer is None:
+        return
+    for cls, figures in merge_rows(rows, lambda r: r.op_class).items():
+        writer.scalars(f"opkit/precision/{cls}", {name: figures[name] for name in (
+            "calls", "rel_error", "underflow_frac", "headroom_bits")}, step)
+    writer.text("opkit/precision/census", census_markdown(rows, table), step)
+    writer.flush()
+
+
+def summary_lines(table: dict[str, str], decisions: dict[str, Decision], modules: dict[str, str],
+                  autocast: str | None, passthrough: bool, auto: Any | None) -> list[str]:
+    """The policy's lines of the run summary.
+
+    Args:
+        table: op class -> dtype name.
+        decisions: ``rules="auto"``'s decisions.
+        modules: the module overrides.
+        autocast: plain autocast's dtype, when ``rules="auto"`` chose it.
+        passthrough: the policy stands aside.
+        auto: the :class:`~lightning_opkit.precision.auto.AutoPrecision` under ``rules="auto"``, else ``None``.
+    """
+    by_dtype: dict[str, list[str]] = {}
+    for cls in GOVERNED:
+        if not decisions or cls in decisions:  # under auto: the classes the model ran
+            by_dtype.setdefault(table[cls], []).append(cls)
+    head = "precision policy"
+    if auto is not None and auto.measurements is not None:
+        head += f" (auto, measured in {auto.measure_seconds:.1f} s on {auto.measurements.device})"
+    lines = [head + ": " + "; ".join(f"{', '.join(v)} {'keep' if k == 'keep' else 'in ' + k}"
+                                     for k, v in by_dtype.items())]
+    if autocast is not None:
+        lines[0] = (f"{head}: plain torch.autocast in {autocast} (what bf16-mixed runs), the fastest within"
+                    f" tolerance here; the policy's mode stands aside")
+    if auto is not None and auto.choice is not None:
+        lines.append(f"  {auto.choice.comparison()}")
+    if modules:
+        lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in modules.items()))
+    if passthrough:
+        lines.append(f"  {ASIDE}")
+    return lines
