@@ -26,7 +26,7 @@ StepLoss = Callable[[bool], Callable[[], Tensor | None]]
 
 
 def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, named: dict[str, nn.Module],
-             policies: list[Any], batch_idx: int) -> Cause:
+             policies: list[Any], batch_idx: int, agree: Callable[[Any], Any] = lambda outcome: outcome) -> Cause:
     """The :class:`~lightning_opkit._nan_report.Cause` of the fault ``found`` (a localization), from two replays.
 
     Args:
@@ -37,13 +37,16 @@ def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, nam
         named: ``named_modules()`` of the model.
         policies: the PrecisionPolicy callbacks attached (their ``running_in`` puts the culprit in fp32).
         batch_idx: the batch's index, for the advice.
+        agree: the culprit rank's outcome of each replay, on every rank: every rank replays its own micro-batch
+            with the same module in fp32, and the culprit's outcome decides what runs next, so the replays stay in
+            lockstep (an FSDP2 forward all-gathers on every rank).
     """
     path = found.module
     culprit = named.get(path) if path else None
     where = f"module {path!r}" if culprit is not None else "the whole step"
-    again, failure = _non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=True)
+    again, failure = agree(_non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=True))
     if failure is None and not again:
-        again, failure = _non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=False)
+        again, failure = agree(_non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=False))
         if failure is None and not again:
             return Cause("transient", "not reproduced by a second replay as is: non-deterministic code or hardware")
         if failure is None:

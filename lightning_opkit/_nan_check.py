@@ -6,13 +6,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_finite", "check_step", "local"]
+from lightning_opkit._nan_report import Origin
+from lightning_opkit._ranks import local
+from lightning_opkit.opclass import classify_module
 
-
-def local(tensor: Tensor) -> Tensor:
-    """The part of ``tensor`` this rank holds: a DTensor's local shard (FSDP2, tensor parallel), else itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
+__all__ = ["all_finite", "bad_gradient_shard", "check_step"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -60,3 +58,29 @@ def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) 
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     loss_bad, grad_bad = (v > 0 for v in flags.tolist())  # the one host sync of a checked step
     return loss_bad, grad_bad
+
+
+def bad_gradient_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Origin | None:
+    """The first sharded parameter (in ``named_parameters`` order) whose gradient shard here is non-finite.
+
+    A slow-path helper (it syncs per parameter): under FSDP2 or tensor parallel a parameter's gradient is reduced
+    into its shard outside autograd, so the step's own shards are where a bad parameter gradient can be seen.
+
+    Args:
+        model: the root module (its parameter names).
+        optimizer: the optimizer whose parameters to look at.
+    """
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    named = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        if id(param) not in stepped or param.grad is None or type(param).__name__ != "DTensor":
+            continue  # a plain parameter's gradient is seen by a replay's hooks
+        grad = local(param.grad)
+        if grad.is_sparse or bool(grad.isfinite().all()):
+            continue
+        path = name.rpartition(".")[0]
+        module = named.get(path)
+        return Origin("backward", path, type(module).__name__ if module is not None else "-",
+                      classify_module(module) if module is not None else "other", name,
+                      str(grad.dtype).replace("torch.", ""), int(grad.isnan().sum()), int(grad.isinf().sum()))
+    return None

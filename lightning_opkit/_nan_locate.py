@@ -8,6 +8,7 @@ that computes the loss, and is tested without a Trainer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -21,13 +22,16 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_opkit._nan_report import Origin
 from lightning_opkit._patch import Patches
-from lightning_opkit._replay import preserved, replaying_scope, set_rng_state
+from lightning_opkit._ranks import local
+from lightning_opkit._replay import preserved, replay_backward, replaying_scope, reshard, set_rng_state
 from lightning_opkit.opclass import classify_function, classify_module
 
 
 def floats(value: Any) -> list[Tensor]:
     """The non-empty floating tensors anywhere in ``value`` (nested lists, tuples, dicts), in order."""
-    return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+    # A DTensor (tensor parallel) by its local shard: each rank judges what it holds.
+    leaves = (local(t) for t in tree_leaves(value) if isinstance(t, Tensor))
+    return [t for t in leaves if t.is_floating_point() and t.numel()]
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ class Recorder:
     def _param_hook(self, name: str, param: nn.Parameter) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             dtype = str(grad.dtype).replace("torch.", "")
-            self.bwd.append(_Record("param", name, None, dtype, _stats([]), _stats([grad])))
+            self.bwd.append(_Record("param", name, None, dtype, _stats([]), _stats([local(grad)])))
 
         return hook
 
@@ -226,9 +230,12 @@ def replay(
             torch.enable_grad(), warnings.catch_warnings(), replaying_scope():
         # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
         warnings.simplefilter("ignore", UserWarning)
-        loss = compute_loss()
-        if backward and loss is not None and loss.requires_grad:
-            torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+        try:
+            loss = compute_loss()
+            if backward and loss is not None and loss.requires_grad:
+                replay_backward(model, loss, [p for _, p in params])
+        finally:
+            reshard(model)
     return recorder, None if loss is None else loss.detach()
 
 
@@ -254,7 +261,8 @@ def describe(record: _Record, named: dict[str, nn.Module], phase: str, recorder:
 
 
 def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any, *,
-           modules: list[tuple[str, nn.Module]], forward: bool, backward: bool, loss: bool) -> Origin | None:
+           modules: list[tuple[str, nn.Module]], forward: bool, backward: bool, loss: bool,
+           any_rank: Callable[[bool], bool] = lambda failed: failed) -> Origin | None:
     """Replay one micro-batch with hooks and name where its first non-finite value came from (``None``: not seen).
 
     The forward origin wins, then the loss, then the backward origin. A replay that fails (the user's step raising
@@ -268,6 +276,7 @@ def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any
         forward: look for a forward origin.
         backward: look for a backward origin.
         loss: report a non-finite loss whose forward was finite.
+        any_rank: whether a replay failed on any rank: every rank retries together, so replays stay in lockstep.
     """
     named = dict(model.named_modules())
     recorder = replayed = None
@@ -276,21 +285,26 @@ def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any
     # then parameters alone are watched in backward.
     for module_backward in (True, False):
         set_rng_state(rng)
+        recorder = None
         try:
             recorder, replayed = replay(model, compute_loss, modules=modules, forward=forward, backward=backward,
                                         module_backward=module_backward)
-            break
         except Exception as err:  # the user's step itself may fail too: report without a module
             failure = err
+        if not any_rank(recorder is None):
+            break
     if recorder is None:
         warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {failure}",
                       stacklevel=3)
         return None
     origin = recorder.forward_origin() if forward else None
     if origin is not None:
-        return describe(origin, named, "forward", recorder)
+        return dataclasses.replace(describe(origin, named, "forward", recorder), seq=recorder.fwd.index(origin))
     if replayed is not None and not bool(replayed.float().isfinite().all()) and (loss or not forward):
         return Origin("loss", "", type(model).__name__, "loss", None, str(replayed.dtype).replace("torch.", ""),
-                      int(replayed.isnan().sum()), int(replayed.isinf().sum()))
+                      int(replayed.isnan().sum()), int(replayed.isinf().sum()), seq=len(recorder.fwd))
     origin = recorder.backward_origin() if backward else None
-    return describe(origin, named, "backward", recorder) if origin is not None else None
+    if origin is None:
+        return None
+    seq = len(recorder.fwd) + 1 + recorder.bwd.index(origin)
+    return dataclasses.replace(describe(origin, named, "backward", recorder), seq=seq)

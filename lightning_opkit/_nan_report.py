@@ -41,6 +41,9 @@ class Origin:
     input_min: float | None = None
     input_max: float | None = None
     input_absmax: float | None = None
+    #: where in the replayed step it was seen (forward records, then the loss, then backward records): across ranks
+    #: the smallest is the first (under tensor parallel a rank's bad shard makes every rank's next output bad)
+    seq: int = dataclasses.field(default=-1, compare=False, repr=False)
 
     @property
     def reproduced(self) -> bool:
@@ -63,6 +66,9 @@ class Cause:
 
 #: what a fault the check saw and no replay reproduced is put down to
 TRANSIENT = Cause("transient", "seen by the check, not reproduced by the replay: non-deterministic code or hardware")
+#: a sharded gradient found non-finite in the step's own shards, which a replay's parameter hooks do not see
+SHARD_ONLY = Cause("unknown", "found in the step's own gradient shard; a sharded parameter's gradient is reduced"
+                              " outside autograd, so no replay can tell where in backward it went non-finite")
 
 
 @dataclass(frozen=True)
@@ -98,13 +104,14 @@ class NaNReport:
         """The flat dict view: step, epoch, batch_idx, rank, the origin's fields, cause, advice, action."""
         cause = {"cause": self.cause.cause, "advice": self.cause.advice} if self.cause else {"cause": None,
                                                                                                 "advice": None}
-        return {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx, "rank": self.rank,
-                **dataclasses.asdict(self.origin), **cause, "action": self.action}
+        origin = {k: v for k, v in dataclasses.asdict(self.origin).items() if k != "seq"}
+        return {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx, "rank": self.rank, **origin,
+                **cause, "action": self.action}
 
     @classmethod
     def from_dict(cls, view: dict[str, Any]) -> NaNReport:
         """Back from :meth:`as_dict` (a checkpoint's events); unknown keys are ignored."""
-        fields = {f.name for f in dataclasses.fields(Origin)}
+        fields = {f.name for f in dataclasses.fields(Origin)} - {"seq"}
         origin = Origin(**{k: v for k, v in view.items() if k in fields})
         cause = Cause(view["cause"], view.get("advice") or "") if view.get("cause") else None
         return cls(int(view.get("step", -1)), int(view.get("epoch", 0)), int(view.get("batch_idx", -1)),

@@ -37,6 +37,10 @@ class WindowReport:
     region_total_us: dict[str, float] = field(default_factory=dict)
     peak_memory_bytes: float | None = None
     flops: int = 0
+    #: wall time of communication events (collectives, point-to-point; any thread or stream), their intervals merged
+    communication_us: float = 0.0
+    #: the part of it during which no compute op ran: communication the step waited for, not hidden behind compute
+    exposed_communication_us: float = 0.0
 
     @property
     def total_self_us(self) -> float:
@@ -77,6 +81,7 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
     for row in ops:
         class_self[row.op_class] += row.self_us
     steps = len(step_times_s)
+    communication, exposed = communication_time(prof)
     return WindowReport(
         steps=steps,
         step_time_ms=1e3 * sum(step_times_s) / steps if steps else 0.0,
@@ -85,7 +90,62 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
         framework_self_us=framework_us,
         region_total_us=regions,
         flops=sum(r.flops for r in ops),
+        communication_us=communication,
+        exposed_communication_us=exposed,
     )
+
+
+_NOT_COMPUTE = ("communication", "other", "layout")
+
+
+def communication_time(prof: Any) -> tuple[float, float]:
+    """``(communication, exposed communication)`` wall time of a window, in microseconds.
+
+    Communication is the union of the intervals of communication events (``gloo:all_gather``, ``nccl:all_reduce``,
+    c10d's ops, FSDP2's collective spans) on every thread; exposed is the part of that union no compute op (a class
+    other than communication, layout and other, on any thread or stream) overlaps.
+
+    Args:
+        prof: a stopped profiler.
+    """
+    comm: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
+    for e in prof.events():
+        key = getattr(e, "key", None) or e.name
+        if is_framework_event(key):
+            continue
+        cls = classify_profiler_event(key)
+        span = (float(e.time_range.start), float(e.time_range.end))
+        if cls == "communication":
+            comm.append(span)
+        elif cls not in _NOT_COMPUTE:
+            compute.append(span)
+    comm, compute = _union(comm), _union(compute)
+    total = sum(b - a for a, b in comm)
+    return total, total - _overlap(comm, compute)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def peak_cpu_memory(prof: Any) -> float:

@@ -125,6 +125,61 @@ def loss_of(output: Any) -> Tensor | None:
     return output if isinstance(output, Tensor) else None
 
 
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _fully_sharded(model: nn.Module) -> bool:
+    return bool(_fsdp_modules(model))
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2's parameters back in their shards after a replay (nothing without FSDP2).
+
+    The root (and any module with ``reshard_after_forward=False``) keeps its all-gathered parameters registered
+    after a forward until its backward; a forward-only replay has none, and would leave them there.
+    """
+    for module in _fsdp_modules(model):
+        module.reshard()  # type: ignore[operator]
+
+
+def replay_backward(model: nn.Module, loss: Tensor, params: list[Tensor]) -> list[Tensor | None]:
+    """The gradients of ``loss`` for ``params``, leaving every ``.grad`` as it was.
+
+    On a plain, DDP or tensor-parallel model that is ``torch.autograd.grad`` (DDP's reducer is not involved). Under
+    FSDP2 the sharded parameters are not in the graph (the forward ran on all-gathered copies), so ``autograd.grad``
+    would run no backward at all: no backward hook, no reduce-scatter, and the root's parameters left unsharded. There
+    the replay runs a real ``backward`` on every rank (the caller keeps ranks in lockstep) with the step's gradients
+    set aside, and returns the reduced gradient shards.
+
+    Args:
+        model: the root module.
+        loss: the replayed loss.
+        params: the parameters (trainable, in a fixed order).
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(2))
+        >>> w.grad = torch.zeros(2)
+        >>> replay_backward(nn.Linear(1, 1), (w * 3).sum(), [w]), w.grad
+        ([tensor([3., 3.])], tensor([0., 0.]))
+    """
+    if not _fully_sharded(model):
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        loss.backward()
+        return [p.grad for p in params]
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+
 def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
              backward: bool = True) -> tuple[Tensor | None, list[Tensor | None]]:
     """Run a step's loss (and its gradients, without touching ``.grad``) eagerly, then put the buffers back.
@@ -140,10 +195,13 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
     params = [p for p in model.parameters() if p.requires_grad]
     with preserved(model, rng=False), torch.compiler.set_stance("force_eager"), torch.enable_grad(), \
             replaying_scope():
-        loss = compute_loss()
-        grads: list[Tensor | None] = [None] * len(params)
-        if backward and loss is not None and loss.requires_grad and params:
-            grads = list(torch.autograd.grad(loss, params, allow_unused=True))
+        try:
+            loss = compute_loss()
+            grads: list[Tensor | None] = [None] * len(params)
+            if backward and loss is not None and loss.requires_grad and params:
+                grads = replay_backward(model, loss, params)
+        finally:
+            reshard(model)
     return (None if loss is None else loss.detach()), grads
 
 

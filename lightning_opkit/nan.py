@@ -19,17 +19,17 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_opkit._base import OpkitCallback
 from lightning_opkit._checks import check_bools, check_choice, check_globs, check_int
 from lightning_opkit._nan_cause import diagnose
-from lightning_opkit._nan_check import check_step
+from lightning_opkit._nan_check import bad_gradient_shard, check_step
 from lightning_opkit._nan_locate import locate
-from lightning_opkit._nan_report import TRANSIENT, NaNReport, NonFiniteError, Origin, format_report
+from lightning_opkit._nan_report import SHARD_ONLY, TRANSIENT, NaNReport, NonFiniteError, Origin, format_report
 from lightning_opkit._nan_skip import BatchState, StepSkipper
+from lightning_opkit._ranks import Ranks
 from lightning_opkit._replay import loss_of, quiet_logging, rng_state, set_rng_state
 from lightning_opkit._select import resolve_modules
 from lightning_opkit._tensorboard import markdown_table
@@ -202,35 +202,46 @@ class NaNDetector(OpkitCallback):
             # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale.
             self._skipper.state = BatchState.SCALER_SKIP
             return
-        self._act(trainer, self._report(trainer, pl_module, pending, loss_bad))
+        self._act(trainer, self._report(trainer, pl_module, pending, loss_bad, optimizer))
 
     # the slow path: locate -> diagnose -> act
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
-                loss_bad: bool) -> NaNReport:
-        origin, cause, batch_idx = None, None, pending[-1].batch_idx if pending else -1
+                loss_bad: bool, optimizer: torch.optim.Optimizer) -> NaNReport:
+        # Every rank replays every micro-batch until one rank reproduces the fault, then runs the cause replays with
+        # that rank's culprit: the same replays on every rank, in lockstep (see _ranks.py). Every rank then reports
+        # the culprit rank's report.
+        ranks = Ranks(pl_module.device)
         resume_rng = rng_state()
         try:
             for micro in pending:
-                origin = locate(pl_module, self._step_loss(trainer, pl_module, micro), micro.rng,
-                                modules=self._hooked, forward=self.check_forward, backward=self.check_backward,
-                                loss=self.check_loss)
-                if origin is not None:
-                    batch_idx = micro.batch_idx
-                    cause = self._cause(trainer, pl_module, micro, origin)
-                    break
+                origins = ranks.gather(locate(
+                    pl_module, self._step_loss(trainer, pl_module, micro), micro.rng, modules=self._hooked,
+                    forward=self.check_forward, backward=self.check_backward, loss=self.check_loss,
+                    any_rank=ranks.any))
+                seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
+                if seen:
+                    culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
+                    origin = origins[culprit]
+                    cause = self._cause(trainer, pl_module, micro, origin, lambda v, r=culprit: ranks.from_rank(v, r))
+                    return ranks.from_rank(self._new_report(trainer, micro.batch_idx, origin, cause), culprit)
         finally:
             set_rng_state(resume_rng)
-        if origin is None:
-            origin, cause = Origin("loss" if loss_bad else "backward", None), TRANSIENT
-        report = NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, trainer.global_rank, origin, cause,
-                           self.action)
-        if dist.is_available() and dist.is_initialized():
-            # The rank that reproduced it names the module; every rank reports the same thing.
-            reports: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, report)
-            report = next((r for r in reports if r.origin.reproduced), reports[0])
-        return report
+        # Not reproduced by any replay. A sharded gradient (FSDP2, tensor parallel) is not seen by a replay's
+        # parameter hooks at all, but the step's own gradient shards say which parameter went bad, and where.
+        shard = bad_gradient_shard(pl_module, optimizer) if self.check_backward and not loss_bad else None
+        found = [(r, o) for r, o in enumerate(ranks.gather(shard)) if o is not None]
+        batch_idx = pending[-1].batch_idx if pending else -1
+        if found:
+            rank, origin = found[0]
+            return ranks.from_rank(self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank), rank)
+        return ranks.from_rank(self._new_report(trainer, batch_idx, Origin("loss" if loss_bad else "backward", None),
+                                                TRANSIENT), 0)
+
+    def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Any,
+                    rank: int | None = None) -> NaNReport:
+        return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx,
+                         trainer.global_rank if rank is None else rank, origin, cause, self.action)
 
     def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
                    autocast: bool = True) -> Callable[[], Tensor | None]:
@@ -241,11 +252,12 @@ class NaNDetector(OpkitCallback):
 
         return compute_loss
 
-    def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch, origin: Origin) -> Any:
+    def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch, origin: Origin,
+               agree: Callable[[Any], Any]) -> Any:
         """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit._nan_cause.diagnose`."""
         policies = [c for c in trainer.callbacks if isinstance(c, PrecisionPolicy)]  # type: ignore[attr-defined]
         return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
-                        origin, dict(pl_module.named_modules()), policies, micro.batch_idx)
+                        origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree)
 
     def _act(self, trainer: pl.Trainer, report: NaNReport) -> None:
         self.reports.append(report)

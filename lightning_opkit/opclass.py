@@ -45,10 +45,20 @@ OP_CLASSES: tuple[str, ...] = (
     "rnn",
     "copy",
     "layout",
+    "communication",
     "other",
 )
 
 _NAMES: dict[str, tuple[str, ...]] = {
+    # c10d, gloo and NCCL collectives and point-to-point ops, as torch.distributed, funcol and the profiler name them
+    # (never ``gather``/``scatter``/``reduce`` alone: those are tensor ops too)
+    "communication": (
+        "all_reduce", "allreduce", "allreduce_coalesced", "all_gather", "allgather", "_allgather_base",
+        "all_gather_into_tensor", "allgather_into_tensor_coalesced", "all_gather_into_tensor_coalesced",
+        "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+        "broadcast", "send", "recv", "recv_any_source", "barrier", "all_to_all", "alltoall", "alltoall_base",
+        "all_to_all_single", "wait_tensor", "record_param_comms",
+    ),
     "matmul": (
         "linear", "addmm", "mm", "bmm", "matmul", "einsum", "baddbmm", "addbmm", "addmv", "mv", "dot",
         "vdot", "inner", "outer", "tensordot", "bilinear", "chain_matmul", "multi_dot", "_addmm_activation",
@@ -118,6 +128,8 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "copy": (
         "copy", "_to_copy", "to", "clone", "contiguous", "_copy_from", "_copy_from_and_resize", "type_as",
         "cat", "stack", "_foreach_copy", "double", "float", "half", "bfloat16",
+        # FSDP2's copies into and out of its all-gather and reduce-scatter buffers
+        "all_gather_copy_in", "split_with_sizes_copy", "chunk_cat", "_chunk_cat",
     ),
     # Views, reshapes and allocations: no arithmetic, but on small models their dispatch time shows in profiles.
     "layout": (
@@ -291,6 +303,8 @@ def classify_profiler_event(name: str) -> str:
     """
     if is_framework_event(name):
         return "other"
+    if _COMMUNICATION.match(name):
+        return "communication"
     fused = fused_kernel_ops(name)
     if fused is not None:
         return fused_kernel_class(fused)
@@ -356,6 +370,11 @@ def fused_kernel_class(ops: list[str]) -> str:
 
 # Spans that hold Python time of the training loop, not operators: the profiler step, the optimizer step (which in
 # Lightning holds the whole closure's Python time), data loading.
+# Backend events (``gloo:all_gather``, ``nccl:all_reduce``, c10d's ``record_param_comms``) and FSDP2's spans around its
+# collectives; FSDP2's other spans (pre_forward, reshard, ...) hold ops of their own and stay "other".
+_COMMUNICATION = re.compile(r"^(gloo:|nccl:|ncclDevKernel|ncclKernel|record_param_comms|c10d::|_c10d_functional::|"
+                            r"c10d_functional::|FSDP::all_gather( |$)|FSDP::post_backward_reduce|"
+                            r"FSDP::post_backward_rs_wait)")
 _FRAMEWORK = re.compile(r"^(ProfilerStep#|ProfilerStep\*|Optimizer\.|enumerate\(DataLoader\)|_\w*DataLoaderIter|\[pl\]|"
                         r"cudaDeviceSynchronize|cudaStreamSynchronize|"
                         # compiled code's own Python: the region span opkit opens, Inductor's graph-call span,

@@ -255,6 +255,12 @@ class ProfilerWindows(OpkitCallback):
             "peak_memory_mb": None if peak is None else peak / 2**20,
             "gflops_per_s": report.flops / seconds / 1e9 if self.with_flops and seconds > 0 else None,
             "export_s": export_s}, step)
+        if report.communication_us:
+            writer.scalars("opkit/profiler/communication", {
+                "ms": report.communication_us / 1e3 / report.steps,
+                "exposed_ms": report.exposed_communication_us / 1e3 / report.steps,
+                "exposed_percent": 100 * report.exposed_communication_us / 1e3 / report.steps
+                / max(report.step_time_ms, 1e-9)}, step)
         percent = report.class_percent()
         # A class is charted from the first window it ran in on (zeros after that keep its line whole); classes that
         # never ran are not charted at all.

@@ -110,7 +110,7 @@ def test_backward_ops_are_classified_from_a_real_trace():
 
 def test_every_class_is_known_and_unknown_is_other():
     assert OP_CLASSES[-1] == "other"
-    assert len(set(OP_CLASSES)) == 14
+    assert len(set(OP_CLASSES)) == 15
     assert classify_name("definitely_not_an_op") == "other"
     assert classify_function(torch.Tensor.view) == "layout"
     assert classify_module(nn.Sequential()) == "other"

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_opkit._ranks import local
 from lightning_opkit._replay import autocast_off, rng_state, set_rng_state
 from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
@@ -27,7 +28,8 @@ UPDATED_ARGS: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {
 
 def _floats(out: Any) -> list[Tensor]:
     items = out if isinstance(out, (list, tuple)) else (out,)
-    return [t for t in items if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+    # A DTensor (tensor parallel) by its local shard: its statistics would be collectives of mixed partials.
+    return [t for t in (local(i) for i in items if isinstance(i, Tensor)) if t.is_floating_point() and t.numel()]
 
 
 def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict, rng: tuple[Tensor, Any]) -> Any:

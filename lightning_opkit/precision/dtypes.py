@@ -23,7 +23,7 @@ LOW = (torch.bfloat16, torch.float16)
 
 #: op classes the policy never casts: shape and bookkeeping ops, and casts and copies (casting their input first
 #: would change what they produce).
-NEVER_CAST = ("other", "copy", "layout")
+NEVER_CAST = ("other", "copy", "layout", "communication")
 GOVERNED = tuple(c for c in OP_CLASSES if c not in NEVER_CAST)
 assert set(get_args(OpClassName)) == set(GOVERNED)
 assert set(get_args(DtypeName)) == set(DTYPES)

@@ -1,0 +1,209 @@
+"""Run by test_sharded.py: 2 CPU processes (gloo) under Lightning's ModelParallelStrategy, FSDP2 or tensor parallel.
+
+A 3-block MLP whose block 1 writes a NaN into its output on rank 1 only, at global step 3. Each fit's result on each
+rank goes to ``<out>/<name>.rank<r>.json``: NaN events, the state of this rank's shards before and after the bad step,
+the full weights at the end (gathered), and what each callback saw.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from helpers import make_loader  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+
+BAD_STEP = 3
+
+
+class RankPoison(nn.Module):
+    """Identity, except at BAD_STEP on rank 1, in the step itself and in its replays (grad mode on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trainer = None
+
+    def forward(self, x):
+        t = self.trainer
+        if t is not None and t.global_rank == 1 and t.global_step == BAD_STEP and torch.is_grad_enabled():
+            return x * float("nan")
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.norm = nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d), nn.LayerNorm(d)
+        self.poison = RankPoison()  # armed in block 1 only (Probe)
+
+    def forward(self, x):
+        return self.norm(x + self.poison(self.fc2(self.act(self.fc1(x)))))
+
+
+class ShardedMLP(pl.LightningModule):
+    def __init__(self, layout, d=16, mixed=False):
+        super().__init__()
+        self.layout, self.mixed = layout, mixed
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(3)])
+        self.head = nn.Linear(d, 4)
+        self.dtypes = {}  # op seen -> dtypes, from forward hooks
+
+    def configure_model(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.layout == "tp":
+            for block in self.blocks:
+                parallelize_module(block, self.device_mesh["tensor_parallel"],
+                                   {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            return
+        mesh = self.device_mesh["data_parallel"]
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
+            if self.mixed else {}
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(self, mesh=mesh, **kwargs)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shard_state(trainer, model):
+    """This rank's shards of every parameter, buffer and optimizer state, and the learning rates, as lists."""
+    opt = trainer.optimizers[0]
+    state = {f"param:{n}": local(p).detach().float().flatten().tolist() for n, p in model.named_parameters()}
+    state.update({f"buffer:{n}": local(b).float().flatten().tolist() for n, b in model.named_buffers()})
+    for i, (p, s) in enumerate((p, opt.state[p]) for g in opt.param_groups for p in g["params"] if p in opt.state):
+        for k, v in s.items():
+            state[f"opt:{i}:{k}"] = local(v).float().flatten().tolist() if torch.is_tensor(v) else v
+    state["lr"] = [g["lr"] for g in opt.param_groups]
+    return state
+
+
+class Probe(pl.Callback):
+    def __init__(self):
+        self.before = self.after = None
+        self.losses = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.blocks[1].poison.trainer = trainer
+        if trainer.global_step == BAD_STEP:
+            self.before = shard_state(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses[trainer.global_step] = float(local(loss))
+        if self.before is not None and self.after is None:
+            self.after = shard_state(trainer, pl_module)
+
+
+def callbacks_for(name):
+    made = {}
+    if "nan" in name or "all4" in name:
+        made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip")
+    if "precision" in name or "all4" in name:
+        made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
+    if "profiler" in name or "all4" in name:
+        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True)
+    if "compile" in name or "all4" in name:
+        made["compile"] = TorchCompile(modules="auto", backend="eager")
+    return made
+
+
+def resume(out, layout, name):
+    """Train 6 steps, save the strategy's checkpoint (distributed or full), resume to 10 steps in a new Trainer."""
+    full = name.endswith("full")
+    path = os.path.join(out, name, "last.ckpt")
+    states = []
+    for steps, ckpt in ((6, None), (10, path)):
+        torch.manual_seed(0)
+        made = callbacks_for("nan-skip profiler")
+        probe = Probe()
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                         save_distributed_checkpoint=not full)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                             callbacks=[*made.values(), probe], enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=os.path.join(out, name))
+        trainer.fit(ShardedMLP(layout), make_loader(n=256, batch_size=8), ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(path)
+        states.append({"events": [e["step"] for e in made["nan"].events], "skipped": made["nan"].skipped_steps,
+                       "windows": made["profiler"].windows_done, "batches": made["profiler"].batches_seen,
+                       "traces": [os.path.basename(p) for p in made["profiler"].trace_files],
+                       "global_step": trainer.global_step})
+    with open(os.path.join(out, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(states, f)
+
+
+def fit(out, layout, name, steps=10):
+    torch.manual_seed(0)
+    made = callbacks_for(name)
+    probe = Probe()
+    strategy = ModelParallelStrategy(data_parallel_size=2 if layout == "fsdp" else 1,
+                                     tensor_parallel_size=2 if layout == "tp" else 1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                         callbacks=[*made.values(), probe], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=os.path.join(out, name))
+    model = ShardedMLP(layout, mixed="mixed" in name)
+    try:
+        trainer.fit(model, make_loader(n=256, batch_size=8))
+        outcome = "finished"
+    except NonFiniteError as err:
+        outcome = "raised: " + str(err)[:200]
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    result = {
+        "outcome": outcome,
+        "global_step": trainer.global_step,
+        "weights": {k: v.float().nan_to_num(1234.5).flatten().tolist() for k, v in full.items()},
+        "losses": probe.losses,
+        "changed_at_bad_step": None if probe.after is None else sorted(
+            k for k in probe.before if probe.before[k] != probe.after[k]),
+        "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
+    }
+    if "nan" in made:
+        result["events"] = [[e["step"], e["phase"], e["module"], e["rank"], e["cause"]] for e in made["nan"].events]
+        result["skipped"] = made["nan"].skipped_steps
+    if "precision" in made:
+        result["census"] = sorted(f"{c}:{d}" for c, d in made["precision"].census)
+    if "profiler" in made:
+        report = made["profiler"].last_report
+        result["traces"] = [os.path.basename(p) for p in made["profiler"].trace_files]
+        result["classes"] = report.class_percent() if report else {}
+        result["ops"] = {r.name: r.op_class for r in report.ops} if report else {}
+        result["communication"] = [report.communication_us, report.exposed_communication_us] if report else None
+        result["step_ms"] = report.step_time_ms if report else None
+    if "compile" in made:
+        result["compiled"] = made["compile"].compiled
+        result["frames"] = made["compile"].watch.frames
+        result["compile_error"] = made["compile"].error
+    with open(os.path.join(out, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    out, layout, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    for name in names:
+        (resume if name.startswith("resume") else fit)(out, layout, name)

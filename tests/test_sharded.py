@@ -1,0 +1,131 @@
+"""Real 2-process CPU runs (gloo) under Lightning's ModelParallelStrategy: FSDP2 and tensor parallel.
+
+Every callback alone and all four together on the 3-block MLP of sharded_script.py, whose block 1 writes a NaN on
+rank 1 only at step 3; checkpoints through the strategy (distributed and full) and a resumed run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
+FSDP_RUNS = ["plain", "nan-skip", "nan-raise", "precision", "profiler", "compile", "all4", "all4-mixed",
+             "resume-dcp", "resume-full"]
+TP_RUNS = ["plain", "nan-skip", "all4"]
+POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout's fits, run once for the module: {layout: {name: [rank 0's result, rank 1's]}}."""
+    results = {}
+    for layout, names in (("fsdp", FSDP_RUNS), ("tp", TP_RUNS)):
+        out = tmp_path_factory.mktemp(layout)
+        proc = subprocess.run([sys.executable, SCRIPT, str(out), layout, ",".join(names)], capture_output=True,
+                              text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+        if proc.returncode != 0:
+            pytest.fail(f"{layout}: exit code {proc.returncode}\n{proc.stderr[-4000:]}")
+        results[layout] = {n: [json.loads((out / f"{n}.rank{r}.json").read_text()) for r in (0, 1)] for n in names}
+    return results
+
+
+def _same_full_weights(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for key in a:
+        if exact:
+            assert a[key] == b[key], key
+        else:  # tensor parallel: the replicated parts are computed on each rank, rounding may differ in the last bit
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_nan_on_one_rank_is_named_alike_and_skipped_on_every_rank(runs, layout):
+    r0, r1 = runs[layout]["nan-skip"]
+    for r in (r0, r1):
+        assert r["outcome"] == "finished"
+        assert r["global_step"] == 10
+        assert r["events"] == [POISON]  # the same module and rank on both ranks, though only rank 1 saw it
+        assert r["skipped"] == 1
+        # this rank's parameter shards, optimizer state shards and learning rate are bit-identical over the skip
+        assert r["changed_at_bad_step"] == []
+        assert r["hooks_left"] == runs[layout]["plain"][0]["hooks_left"]  # only the strategy's own hooks remain
+    _same_full_weights(r0["weights"], r1["weights"], exact=layout == "fsdp")
+    assert 1234.5 not in [v for w in r0["weights"].values() for v in w]  # no NaN reached the weights
+
+
+def test_raise_raises_on_every_rank_with_the_same_report(runs):
+    r0, r1 = runs["fsdp"]["nan-raise"]
+    assert r0["outcome"] == r1["outcome"]
+    assert r0["outcome"].startswith("raised: Non-finite output at global step 3")
+    assert "blocks.1.poison" in r0["outcome"]
+    assert r0["events"] == r1["events"] == [POISON]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_all_four_together(runs, layout):
+    r0, r1 = runs[layout]["all4"]
+    for rank, r in enumerate((r0, r1)):
+        assert r["outcome"] == "finished"
+        assert r["events"] == [POISON]
+        assert r["changed_at_bad_step"] == []
+        # the policy governed the model's ops: GEMMs in bf16, norm and loss in fp32, nothing else lowered by it
+        assert {"matmul:bf16", "norm:fp32", "loss:fp32"} <= set(r["census"])
+        assert not any(c.startswith(("communication:", "copy:", "other:")) for c in r["census"])
+        # one trace per rank per window, the rank in the file name; compiled in place, frames converted
+        assert r["traces"] == [f"rank{rank}.7.pt.trace.json.gz", f"rank{rank}.10.pt.trace.json.gz"]
+        assert r["compiled"] == ["blocks.0", "blocks.1", "blocks.2"]
+        assert r["frames"] > 0
+        assert r["compile_error"] is None
+        # the strategy's hooks still ran around the compiled blocks (FSDP's unshard, TP's redistribution):
+        # compiled in place, the modules keep their hooks, and nothing of opkit's is left
+        assert r["hooks_left"] == runs[layout]["plain"][0]["hooks_left"]
+    _same_full_weights(r0["weights"], r1["weights"], exact=layout == "fsdp")
+
+
+def test_fsdp2_mixed_precision_keeps_the_policy_rules(runs):
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): FSDP all-gathers bf16 parameters; a norm: fp32
+    # rule still runs the norms in fp32 (the policy casts their inputs and the bf16 weights for the op).
+    for r in runs["fsdp"]["all4-mixed"]:
+        assert r["outcome"] == "finished"
+        assert r["events"] == [POISON]
+        assert "norm:fp32" in r["census"]
+        assert "matmul:bf16" in r["census"]
+        assert "norm:bf16" not in r["census"]
+
+
+def test_each_callback_alone_under_fsdp2(runs):
+    fsdp = runs["fsdp"]
+    for r in fsdp["precision"]:
+        assert {"matmul:bf16", "norm:fp32"} <= set(r["census"])
+    for rank, r in enumerate(fsdp["profiler"]):
+        assert r["traces"] == [f"rank{rank}.7.pt.trace.json.gz", f"rank{rank}.10.pt.trace.json.gz"]
+        # FSDP2's all-gathers and reduce-scatters are their own op class, and the window says how much of the step
+        # waited for them
+        assert r["classes"]["communication"] > 0
+        assert r["ops"]["gloo:all_gather"] == "communication"
+        assert r["ops"]["FSDP::post_backward_reduce"] == "communication"
+        comm, exposed = r["communication"]
+        assert 0 < exposed <= comm
+    for r in fsdp["compile"]:
+        assert r["frames"] > 0
+        assert r["compile_error"] is None
+    for name in ("precision", "profiler", "compile"):
+        assert all(r["outcome"] == "finished" and r["global_step"] == 10 for r in fsdp[name])
+        _same_full_weights(fsdp[name][0]["weights"], fsdp[name][1]["weights"])
+
+
+@pytest.mark.parametrize("kind", ["dcp", "full"])
+def test_callback_state_round_trips_the_strategy_checkpoint_and_schedules_resume(runs, kind):
+    for rank, (first, resumed) in enumerate(runs["fsdp"][f"resume-{kind}"]):
+        assert first["global_step"] == 6
+        assert first["events"] == [3]
+        assert first["windows"] == 1
+        assert resumed["global_step"] == 10
+        assert resumed["events"] == [3]  # from the checkpoint: the bad step is behind the resumed run
+        assert resumed["skipped"] == 1
+        assert resumed["batches"] == 10  # the schedule went on from batch 6, not from 0
+        assert resumed["windows"] == 2
+        assert resumed["traces"] == [f"rank{rank}.10.pt.trace.json.gz"]
