@@ -96,8 +96,9 @@ def shard_state(trainer, model):
     opt = trainer.optimizers[0]
     state = {f"param:{n}": local(p).detach().float().flatten().tolist() for n, p in model.named_parameters()}
     state.update({f"buffer:{n}": local(b).float().flatten().tolist() for n, b in model.named_buffers()})
-    for i, (p, s) in enumerate((p, opt.state[p]) for g in opt.param_groups for p in g["params"] if p in opt.state):
-        for k, v in s.items():
+    stepped = [opt.state[p] for g in opt.param_groups for p in g["params"] if p in opt.state]
+    for i, per_param in enumerate(stepped):
+        for k, v in per_param.items():
             state[f"opt:{i}:{k}"] = local(v).float().flatten().tolist() if torch.is_tensor(v) else v
     state["lr"] = [g["lr"] for g in opt.param_groups]
     return state
