@@ -60,6 +60,8 @@ def _profiler_schedule(every_n_steps: int, warmup: int, active: int) -> Callable
     actions = torch.profiler.ProfilerAction
 
     def schedule(step: int) -> Any:
+        if step >= warmup + active:  # this window is over; with warmup + active == every_n_steps the next would begin
+            return actions.NONE
         phase = window_phase(every_n_steps + step, every_n_steps, warmup, active)[1]
         if phase == "warmup":
             return actions.WARMUP

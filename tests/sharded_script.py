@@ -125,12 +125,14 @@ def callbacks_for(name):
     made = {}
     if "nan" in name or "all4" in name:
         made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip")
-    if "precision" in name or "all4" in name:
+    if "auto" in name:
+        made["precision"] = PrecisionPolicy(rules="auto", census_every_n_steps=2)
+    elif "precision" in name or "all4" in name:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
     if "profiler" in name or "all4" in name:
         made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True)
     if "compile" in name or "all4" in name:
-        made["compile"] = TorchCompile(modules="auto", backend="eager")
+        made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
     return made
 
 
@@ -189,6 +191,9 @@ def fit(out, layout, name, steps=10):
         result["skipped"] = made["nan"].skipped_steps
     if "precision" in made:
         result["census"] = sorted(f"{c}:{d}" for c, d in made["precision"].census)
+        result["table"] = made["precision"].table
+        choice = made["precision"].choice
+        result["chosen"] = choice.chosen if choice is not None else None
     if "profiler" in made:
         report = made["profiler"].last_report
         result["traces"] = [os.path.basename(p) for p in made["profiler"].trace_files]

@@ -198,3 +198,14 @@ def test_epoch_end_cuts_a_window_and_the_next_epoch_opens_the_next(tmp_path):
     steps = sorted(int(os.path.basename(p).split(".")[1]) for p in cb.trace_files)
     assert steps == [5, 10]
     assert [b for b, on in enumerate(state.states[0::2]) if on] == [4, 8, 9]
+
+
+@pytest.mark.parametrize("every,warmup,active", [(5, 1, 2), (2, 0, 2), (3, 1, 2), (4, 0, 1)])
+def test_one_schedule_drives_torch_profiler_as_torch_own_schedule_would(every, warmup, active):
+    # The window's torch.profiler schedule is read off window_phase; it must be torch's own schedule(wait=0, warmup,
+    # active, repeat=1), also when a window fills its whole period (the next one must not begin inside it).
+    from lightning_opkit._profile_window import _profiler_schedule
+
+    ours = _profiler_schedule(every, warmup, active)
+    torchs = torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1)
+    assert [ours(s) for s in range(3 * every)] == [torchs(s) for s in range(3 * every)]
