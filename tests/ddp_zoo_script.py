@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from helpers import SkewedAuto  # noqa: E402
 from zoo import ZooModule  # noqa: E402
 
 from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
@@ -18,24 +19,6 @@ from lightning_opkit.precision import decide  # noqa: E402
 class RankFault(ZooModule):
     def _hit(self, kind):
         return self.global_rank == 1 and super()._hit(kind)
-
-
-class SkewedAuto(PrecisionPolicy):
-    """rules="auto" where rank 1 measures every 16-bit dtype 10x faster than fp32: only a broadcast of rank zero's
-    decisions keeps the ranks on one table."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        measure = self._auto._measure  # rules="auto"'s Trainer-free part measures through this
-
-        def skewed(model, batch, loss_fn, **kwargs):
-            measurements = measure(model, batch, loss_fn, **kwargs)
-            if model.global_rank == 1:
-                for row in measurements:
-                    row.speed, row.loss_change, row.grad_cosine, row.failed = 0.1, 0.0, 1.0, None
-            return measurements
-
-        self._auto._measure = skewed
 
 
 if __name__ == "__main__":

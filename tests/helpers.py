@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_opkit import PrecisionPolicy
+
 
 def make_loader(n: int = 64, batch_size: int = 8, dim: int = 8, classes: int = 4, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
@@ -233,3 +235,21 @@ class StepProbe(pl.Callback):
             self.losses[step] = float(loss)
         if step in self.steps:
             self.after[step] = full_state(trainer, pl_module)
+
+
+class SkewedAuto(PrecisionPolicy):
+    """rules="auto" where rank 1 measures every 16-bit dtype 10x faster than fp32: only a broadcast of rank zero's
+    decisions keeps the ranks on one table."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        measure = self._auto._measure  # rules="auto"'s Trainer-free part measures through this
+
+        def skewed(model, batch, loss_fn, **kwargs):
+            measurements = measure(model, batch, loss_fn, **kwargs)
+            if model.global_rank == 1:
+                for row in measurements:
+                    row.speed, row.loss_change, row.grad_cosine, row.failed = 0.1, 0.0, 1.0, None
+            return measurements
+
+        self._auto._measure = skewed

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from helpers import make_loader  # noqa: E402
+from helpers import SkewedAuto, make_loader  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -126,7 +126,7 @@ def callbacks_for(name):
     if "nan" in name or "all4" in name:
         made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip")
     if "auto" in name:
-        made["precision"] = PrecisionPolicy(rules="auto", census_every_n_steps=2)
+        made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2)
     elif "precision" in name or "all4" in name:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
     if "profiler" in name or "all4" in name:

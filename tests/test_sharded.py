@@ -12,9 +12,9 @@ import sys
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
-FSDP_RUNS = ["plain", "nan-skip", "nan-raise", "precision", "profiler", "compile", "all4", "all4-mixed",
-             "resume-dcp", "resume-full"]
-TP_RUNS = ["plain", "nan-skip", "all4"]
+FSDP_RUNS = ["plain", "nan-skip", "nan-raise", "precision", "auto", "profiler", "compile", "compile-whole", "all4",
+             "all4-mixed", "resume-dcp", "resume-full"]
+TP_RUNS = ["plain", "nan-skip", "auto", "all4"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
 
@@ -129,3 +129,28 @@ def test_callback_state_round_trips_the_strategy_checkpoint_and_schedules_resume
         assert resumed["batches"] == 10  # the schedule went on from batch 6, not from 0
         assert resumed["windows"] == 2
         assert resumed["traces"] == [f"rank{rank}.10.pt.trace.json.gz"]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_auto_measures_in_lockstep_and_every_rank_runs_rank_zeros_choice(runs, layout):
+    # Rank 1 measures every 16-bit dtype 10x faster than fp32 (SkewedAuto): ranks that decided for themselves
+    # would run different tables; the measurement and candidate runs finish on both ranks (no hang).
+    r0, r1 = runs[layout]["auto"]
+    for r in (r0, r1):
+        assert r["outcome"] == "finished"
+        assert r["global_step"] == 10
+    assert r0["table"] == r1["table"]
+    assert r0["chosen"] == r1["chosen"]
+    assert r0["chosen"] is not None
+    assert r0["census"] == r1["census"]
+    _same_full_weights(r0["weights"], r1["weights"], exact=layout == "fsdp")
+
+
+def test_whole_forward_compiled_under_fsdp2(runs):
+    for r in runs["fsdp"]["compile-whole"]:
+        assert r["outcome"] == "finished"
+        assert r["compiled"] == [""]
+        assert r["frames"] > 0
+        assert r["compile_error"] is None
+        assert r["hooks_left"] == runs["fsdp"]["plain"][0]["hooks_left"]
+    _same_full_weights(*(r["weights"] for r in runs["fsdp"]["compile-whole"]))
