@@ -61,7 +61,10 @@ def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) 
 
 
 def bad_gradient_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Origin | None:
-    """The first sharded parameter (in ``named_parameters`` order) whose gradient shard here is non-finite.
+    """The sharded parameter whose gradient shard here went non-finite first in backward, if any.
+
+    First in backward is taken as last in ``named_parameters`` order (modules register in forward order), so a fault
+    in the middle of the model is named at its module, not at the input layer its NaN flowed back to.
 
     A slow-path helper (it syncs per parameter): under FSDP2 or tensor parallel a parameter's gradient is reduced
     into its shard outside autograd, so the step's own shards are where a bad parameter gradient can be seen.
@@ -72,7 +75,7 @@ def bad_gradient_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     """
     stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
     named = dict(model.named_modules())
-    for name, param in model.named_parameters():
+    for name, param in reversed(list(model.named_parameters())):
         if id(param) not in stepped or param.grad is None or type(param).__name__ != "DTensor":
             continue  # a plain parameter's gradient is seen by a replay's hooks
         grad = local(param.grad)

@@ -18,8 +18,16 @@ import torch.nn.functional as F  # noqa: E402
 from helpers import SkewedAuto, make_loader  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
+from zoo import ZooModule  # noqa: E402
 
-from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+from lightning_opkit import (  # noqa: E402
+    NaNDetector,
+    NonFiniteError,
+    PrecisionPolicy,
+    ProfilerWindows,
+    TorchCompile,
+    replaying,
+)
 
 BAD_STEP = 3
 
@@ -30,11 +38,17 @@ class RankPoison(nn.Module):
     def __init__(self):
         super().__init__()
         self.trainer = None
+        self.grad_only = False  # a NaN gradient in the real step's backward only, never in a replay
 
     def forward(self, x):
         t = self.trainer
-        if t is not None and t.global_rank == 1 and t.global_step == BAD_STEP and torch.is_grad_enabled():
+        if t is None or t.global_rank != 1 or t.global_step != BAD_STEP or not torch.is_grad_enabled():
+            return x
+        if not self.grad_only:
             return x * float("nan")
+        if not replaying() and x.requires_grad:
+            x = x.clone()
+            x.register_hook(lambda grad: torch.full_like(grad, float("nan")))
         return x
 
 
@@ -87,6 +101,23 @@ class ShardedMLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class ShardedZoo(ZooModule):
+    """A zoo model with each repeated block and the root fully_shard'ed; its forward fault fires on rank 1 only."""
+
+    def _hit(self, kind):
+        return self.global_rank == 1 and super()._hit(kind)
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        from lightning_opkit import find_blocks
+
+        mesh = self.device_mesh["data_parallel"]
+        for name in find_blocks(self):
+            fully_shard(self.get_submodule(name), mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -110,7 +141,9 @@ class Probe(pl.Callback):
         self.losses = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        pl_module.blocks[1].poison.trainer = trainer
+        if isinstance(pl_module, ShardedMLP):
+            pl_module.blocks[1].poison.trainer = trainer
+            pl_module.blocks[1].poison.grad_only = "shard" in trainer.default_root_dir
         if trainer.global_step == BAD_STEP:
             self.before = shard_state(trainer, pl_module)
 
@@ -165,14 +198,18 @@ def fit(out, layout, name, steps=10):
     torch.manual_seed(0)
     made = callbacks_for(name)
     probe = Probe()
-    strategy = ModelParallelStrategy(data_parallel_size=2 if layout == "fsdp" else 1,
+    strategy = ModelParallelStrategy(data_parallel_size=1 if layout == "tp" else 2,
                                      tensor_parallel_size=2 if layout == "tp" else 1)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          callbacks=[*made.values(), probe], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=os.path.join(out, name))
-    model = ShardedMLP(layout, mixed="mixed" in name)
+    if layout.startswith("zoo:"):
+        model = ShardedZoo(layout[4:], faults={"forward": BAD_STEP})
+        loader = model.loader(n=96)
+    else:
+        model, loader = ShardedMLP(layout, mixed="mixed" in name), make_loader(n=256, batch_size=8)
     try:
-        trainer.fit(model, make_loader(n=256, batch_size=8))
+        trainer.fit(model, loader)
         outcome = "finished"
     except NonFiniteError as err:
         outcome = "raised: " + str(err)[:200]
@@ -188,6 +225,7 @@ def fit(out, layout, name, steps=10):
     }
     if "nan" in made:
         result["events"] = [[e["step"], e["phase"], e["module"], e["rank"], e["cause"]] for e in made["nan"].events]
+        result["parameters"] = [e["parameter"] for e in made["nan"].events]
         result["skipped"] = made["nan"].skipped_steps
     if "precision" in made:
         result["census"] = sorted(f"{c}:{d}" for c, d in made["precision"].census)

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit._patch import Patches
+from lightning_opkit._ranks import local
 from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging, replaying_scope, run_step
 from lightning_opkit._tensorboard import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
@@ -155,7 +156,9 @@ class OpLog(TorchFunctionMode):
                         for t in tree_leaves((args, kwargs)))
             key = (func, sig)
             if key not in self.examples:
-                keep = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
+                # A DTensor (tensor parallel) by its local shard: timing it alone must run no collective, since
+                # each rank repeats an op as often as its own clock asks.
+                keep = tree_map(lambda t: local(t).detach() if isinstance(t, Tensor) else t, (args, kwargs))
                 if func in UPDATED_ARGS:
                     # Timing must not write into the model's running statistics, nor differentiate them.
                     positions, names = UPDATED_ARGS[func]
