@@ -209,8 +209,8 @@ class NaNDetector(OpkitCallback):
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
                 loss_bad: bool, optimizer: torch.optim.Optimizer) -> NaNReport:
         # Every rank replays every micro-batch until one rank reproduces the fault, then runs the cause replays with
-        # that rank's culprit: the same replays on every rank, in lockstep (see _ranks.py). Every rank then reports
-        # the culprit rank's report.
+        # that rank's culprit: the same replays on every rank, in lockstep (see _ranks.py). What decides the report
+        # (the gathered origins, each replay's outcome) is the same on every rank, so every rank builds the same one.
         ranks = Ranks(pl_module.device)
         resume_rng = rng_state()
         try:
@@ -224,7 +224,7 @@ class NaNDetector(OpkitCallback):
                     culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
                     origin = origins[culprit]
                     cause = self._cause(trainer, pl_module, micro, origin, lambda v, r=culprit: ranks.from_rank(v, r))
-                    return ranks.from_rank(self._new_report(trainer, micro.batch_idx, origin, cause), culprit)
+                    return self._new_report(trainer, micro.batch_idx, origin, cause, culprit)
         finally:
             set_rng_state(resume_rng)
         # Not reproduced by any replay. A sharded gradient (FSDP2, tensor parallel) is not seen by a replay's
@@ -234,14 +234,11 @@ class NaNDetector(OpkitCallback):
         batch_idx = pending[-1].batch_idx if pending else -1
         if found:
             rank, origin = found[0]
-            return ranks.from_rank(self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank), rank)
-        return ranks.from_rank(self._new_report(trainer, batch_idx, Origin("loss" if loss_bad else "backward", None),
-                                                TRANSIENT), 0)
+            return self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank)
+        return self._new_report(trainer, batch_idx, Origin("loss" if loss_bad else "backward", None), TRANSIENT, 0)
 
-    def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Any,
-                    rank: int | None = None) -> NaNReport:
-        return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx,
-                         trainer.global_rank if rank is None else rank, origin, cause, self.action)
+    def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Any, rank: int) -> NaNReport:
+        return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause, self.action)
 
     def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
                    autocast: bool = True) -> Callable[[], Tensor | None]:
