@@ -18,8 +18,10 @@ import torch.nn.functional as F  # noqa: E402
 from helpers import SkewedAuto, make_loader  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from zoo import ZooModule  # noqa: E402
 
+from examples.vit import ViTClassifier, load_digits_tensors  # noqa: E402
 from lightning_opkit import (  # noqa: E402
     NaNDetector,
     NonFiniteError,
@@ -118,6 +120,27 @@ class ShardedZoo(ZooModule):
         fully_shard(self, mesh=mesh)
 
 
+class ShardedViT(ViTClassifier):
+    """The example ViT with each block and the root fully_shard'ed; block 1's output goes NaN on rank 1 at step 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.model.blocks[1].register_forward_hook(self._poison)
+
+    def _poison(self, module, args, output):
+        if self.global_rank == 1 and self.trainer.global_step == BAD_STEP and self.training:
+            return output * float("nan")
+        return None
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -203,7 +226,9 @@ def fit(out, layout, name, steps=10):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          callbacks=[*made.values(), probe], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=os.path.join(out, name))
-    if layout.startswith("zoo:"):
+    if layout == "vit":
+        model, loader = ShardedViT(), DataLoader(TensorDataset(*load_digits_tensors()), batch_size=16)
+    elif layout.startswith("zoo:"):
         model = ShardedZoo(layout[4:], faults={"forward": BAD_STEP})
         loader = model.loader(n=96)
     else:

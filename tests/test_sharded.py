@@ -1,7 +1,8 @@
 """Real 2-process CPU runs (gloo) under Lightning's ModelParallelStrategy: FSDP2 and tensor parallel.
 
 Every callback alone and all four together on the 3-block MLP of sharded_script.py, whose block 1 writes a NaN on
-rank 1 only at step 3; all four on the zoo's Hugging Face Llama (each decoder layer and the root fully_shard'ed);
+rank 1 only at step 3; all four on the zoo's Hugging Face Llama and on the example ViT (each block and the root
+fully_shard'ed);
 checkpoints through the strategy (distributed and full) and a resumed run.
 """
 
@@ -23,7 +24,8 @@ POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, m
 def runs(tmp_path_factory):
     """Each layout's fits, run once for the module: {layout: {name: [rank 0's result, rank 1's]}}."""
     results = {}
-    for layout, names in (("fsdp", FSDP_RUNS), ("tp", TP_RUNS), ("zoo:hf_llama", ["plain", "all4"])):
+    for layout, names in (("fsdp", FSDP_RUNS), ("tp", TP_RUNS), ("zoo:hf_llama", ["plain", "all4"]),
+                          ("vit", ["plain", "all4"])):
         out = tmp_path_factory.mktemp(layout.replace(":", "_"))
         proc = subprocess.run([sys.executable, SCRIPT, str(out), layout, ",".join(names)], capture_output=True,
                               text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -157,19 +159,25 @@ def test_whole_forward_compiled_under_fsdp2(runs):
     _same_full_weights(*(r["weights"] for r in runs["fsdp"]["compile-whole"]))
 
 
-def test_all_four_on_the_zoo_llama_under_fsdp2(runs):
-    # The zoo's fault: NaN written into the output of layers.1.mlp.gate_proj by a hook, on rank 1 only, at step 3.
-    # (The hook runs after the module's forward, so the cause replays, which watch the module's own output, find it
-    # finite: the cause is "transient" here, as on one device.)
-    r0, r1 = runs["zoo:hf_llama"]["all4"]
-    plain = runs["zoo:hf_llama"]["plain"][0]
+@pytest.mark.parametrize("layout,culprit,census,compiled", [
+    ("zoo:hf_llama", "model.model.layers.1.mlp.gate_proj", {"matmul:bf16", "attention:bf16", "loss:fp32"},
+     ["model.model.layers.0", "model.model.layers.1"]),
+    ("vit", "model.blocks.1", {"matmul:bf16", "conv:bf16", "norm:fp32", "softmax:fp32", "loss:fp32"},
+     [f"model.blocks.{i}" for i in range(4)]),
+])
+def test_all_four_on_real_models_under_fsdp2(runs, layout, culprit, census, compiled):
+    # The fault: NaN written into the culprit's output by a forward hook, on rank 1 only, at step 3. (The hook runs
+    # after the module's forward, so the cause replays, which watch the module's own output, find it finite: the
+    # cause is "transient" here, as on one device.)
+    r0, r1 = runs[layout]["all4"]
+    plain = runs[layout]["plain"][0]
     for rank, r in enumerate((r0, r1)):
         assert r["outcome"] == "finished"
-        assert [e[:4] for e in r["events"]] == [[3, "forward", "model.model.layers.1.mlp.gate_proj", 1]]
+        assert [e[:4] for e in r["events"]] == [[3, "forward", culprit, 1]]
         assert r["changed_at_bad_step"] == []
-        assert {"matmul:bf16", "attention:bf16", "loss:fp32"} <= set(r["census"])
+        assert census <= set(r["census"])
         assert r["traces"] == [f"rank{rank}.7.pt.trace.json.gz", f"rank{rank}.10.pt.trace.json.gz"]
-        assert r["compiled"] == ["model.model.layers.0", "model.model.layers.1"]
+        assert r["compiled"] == compiled
         assert r["frames"] > 0
         assert r["hooks_left"] == plain["hooks_left"]
     assert r0["events"] == r1["events"]
