@@ -1,40 +1,89 @@
 """Where each op class stands against this device: measured peaks, work per class, achieved rates and the bound.
 
-Trainer-free, over a stopped ``torch.profiler`` run with ``record_shapes=True`` (and ``with_flops=True`` for the
-profiler's own GEMM and convolution counts). A first part of issue 19: not yet logged by ProfilerWindows.
+Trainer-free, over a stopped ``torch.profiler`` run with ``record_shapes=True`` and ``with_flops=True`` (the
+profiler's own GEMM and convolution counts). ProfilerWindows' ``roofline`` option logs it per window; the views
+(table, lever, picture) are in :mod:`lightning_opkit._roofline_view`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils import flop_counter
 
-from lightning_opkit.opclass import classify_profiler_event, is_framework_event
+from lightning_opkit.opclass import classify_profiler_event, fused_kernel_ops, is_framework_event
 
-__all__ = ["ClassRoofline", "Peaks", "class_rooflines", "measure_peaks"]
+__all__ = ["ClassRoofline", "Peaks", "class_rooflines", "datasheet_peaks", "measure_link", "measure_peaks"]
 
 _ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "BFloat16": 2, "Half": 2, "long int": 8,
-             "int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2}
+             "int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2,
+             "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+_DTYPE_NAMES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64",
+                "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8"}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 #: arithmetic per element of the elementwise-like classes (a LayerNorm reads, centres, squares, sums, scales)
 _FLOPS_PER_ELEMENT = {"norm": 8.0, "softmax": 5.0, "activation": 8.0, "loss": 4.0, "reduction": 1.0,
                       "pointwise": 1.0, "embedding": 0.0, "copy": 0.0}
-_PEAKS: dict[tuple[str, tuple[str, ...]], Peaks] = {}
+#: classes whose FLOPs are the model's FLOPs in MFU (the rest are a rounding error next to them, and no GEMM peak
+#: applies to them)
+MODEL_FLOP_CLASSES = ("matmul", "conv", "attention", "rnn")
+_NOT_WORK = ("other", "layout", "communication")
+_PEAKS: dict[tuple[str, str], tuple[float, int]] = {}
+_BANDWIDTH: dict[str, float] = {}
+
+# NVIDIA's datasheet figures: dense Tensor Core TFLOP/s (no sparsity) and HBM GB/s. "fp32" is TF32 where matmuls
+# may use it (torch.backends.cuda.matmul.allow_tf32), else plain FP32. Matched on torch.cuda.get_device_name().
+_DATASHEETS: tuple[tuple[str, dict[str, float], float], ...] = (
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0}, 4800.0),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0}, 2000.0),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0}, 3350.0),
+    ("A100-SXM4-80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 2039.0),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 1555.0),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3, "fp8": 242.0}, 300.0),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}, 600.0),
+)
 
 
 @dataclass(frozen=True)
 class Peaks:
-    """This device's measured peaks: dense GEMM TFLOP/s per dtype name, and memory bandwidth in GB/s."""
+    """This device's peaks as measured in this process, with the datasheet's beside them where the device is known.
+
+    ``gemm_tflops`` holds dense GEMM TFLOP/s per dtype name and ``gemm_size`` the square size each was timed at;
+    ``bandwidth_gbps`` is a large copy's read + write GB/s; ``link_gbps`` an all_reduce's bytes per second across the
+    process group (``None`` on one process).
+    """
 
     device: str
     gemm_tflops: dict[str, float]
     bandwidth_gbps: float
+    gemm_size: dict[str, int] = field(default_factory=dict)
+    link_gbps: float | None = None
+    datasheet_tflops: dict[str, float] = field(default_factory=dict)
+    datasheet_gbps: float | None = None
+
+    def peak(self, dtype: str) -> float:
+        """The measured GEMM peak of ``dtype`` in FLOP/s (fp32's for a dtype not measured)."""
+        return self.gemm_tflops.get(dtype, self.gemm_tflops.get("fp32", 0.0)) * 1e12
+
+    def describe(self) -> str:
+        """One line: what was measured, where, at what size; the datasheet beside it."""
+        gemms = ", ".join(f"{d} {t:.3g} TFLOP/s ({self.gemm_size.get(d, 0)}^3)" for d, t in self.gemm_tflops.items())
+        text = f"measured on {self.device}: dense GEMM {gemms}; copy {self.bandwidth_gbps:.1f} GB/s"
+        if self.link_gbps is not None:
+            text += f"; all_reduce {self.link_gbps:.2f} GB/s"
+        if self.datasheet_tflops:
+            sheet = ", ".join(f"{d} {t:g}" for d, t in self.datasheet_tflops.items())
+            text += f" (datasheet: {sheet} TFLOP/s, {self.datasheet_gbps:g} GB/s)"
+        return text
 
 
-def _timed(fn: Any, device: torch.device, reps: int) -> float:
+def _timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     best = math.inf
@@ -47,47 +96,128 @@ def _timed(fn: Any, device: torch.device, reps: int) -> float:
     return best
 
 
+def _gemm_peak(device: torch.device, dtype: str, n: int | None) -> tuple[float, int]:
+    """Best TFLOP/s of ``a @ a``: at ``n``, else doubling from 256 until one GEMM takes 20 ms or the size cap."""
+    size = n or (1024 if device.type == "cuda" else 256)
+    cap = n or (8192 if device.type == "cuda" else 2048)
+    while True:
+        a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
+        seconds = _timed(lambda a=a: a @ a, device, reps=1 if size < cap else 3)
+        if size >= cap or seconds > 0.02:
+            # a slow dtype (bf16 emulated on a CPU without bf16 units) stops at a small size, in well under a second
+            return 2 * size**3 / _timed(lambda a=a: a @ a, device, reps=2) / 1e12, size
+        size *= 2
+
+
+def _datasheet(device: torch.device) -> tuple[dict[str, float], float | None]:
+    if device.type != "cuda":
+        return {}, None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops, gbps in _DATASHEETS:
+        if key in name:
+            sheet = dict(tflops)
+            tf32 = sheet.pop("tf32")
+            if torch.backends.cuda.matmul.allow_tf32:
+                sheet["fp32"] = tf32
+            return sheet, gbps
+    return {}, None
+
+
+def datasheet_peaks(device: torch.device | str) -> tuple[dict[str, float], float | None]:
+    """The datasheet's dense TFLOP/s per dtype and memory GB/s of a known GPU (``({}, None)`` elsewhere).
+
+    Example:
+        >>> datasheet_peaks("cpu")
+        ({}, None)
+    """
+    return _datasheet(torch.device(device))
+
+
 def measure_peaks(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp32", "bf16"),
-                  n: int | None = None) -> Peaks:
-    """Dense GEMM throughput per dtype at a large square shape, and copy bandwidth; measured once per process.
+                  n: int | None = None, link_gbps: float | None = None) -> Peaks:
+    """Dense GEMM throughput per dtype and copy bandwidth on ``device``; each measured once per process, cached.
 
     Args:
         device: the training device.
-        dtypes: dtype names to time (``"fp32"``, ``"bf16"``, ``"fp16"``).
-        n: the GEMM's size (default 1024 on CPU, 8192 on CUDA).
+        dtypes: dtype names to time (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp64"``).
+        n: time the GEMM at this size only (default: doubling from 256 on CPU / 1024 on CUDA until one GEMM takes
+            20 ms or reaches 2048 / 8192).
+        link_gbps: the process group's measured all_reduce bandwidth, from :func:`measure_link`.
 
     Example:
         >>> peaks = measure_peaks("cpu", ("fp32",), n=256)
-        >>> peaks.gemm_tflops["fp32"] > 0 and peaks.bandwidth_gbps > 0
-        True
+        >>> peaks.gemm_tflops["fp32"] > 0 and peaks.bandwidth_gbps > 0, peaks.gemm_size
+        (True, {'fp32': 256})
     """
     device = torch.device(device)
-    key = (f"{device}:{n}", tuple(dtypes))
-    if key in _PEAKS:
-        return _PEAKS[key]
-    size = n or (8192 if device.type == "cuda" else 1024)
-    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    tflops = {}
-    for name in dtypes:
-        a = torch.randn(size, size, device=device).to(names[name])
-        seconds = _timed(lambda a=a: a @ a, device, reps=3)
-        tflops[name] = 2 * size**3 / seconds / 1e12
-    src = torch.empty(64 * 2**20 if device.type == "cpu" else 256 * 2**20, device=device)  # 256 MB / 1 GB of fp32
-    dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), device, reps=3)
-    peaks = _PEAKS[key] = Peaks(str(device), tflops, 2 * src.numel() * 4 / seconds / 1e9)
-    return peaks
+    tflops, sizes = {}, {}
+    for name in dict.fromkeys(dtypes):
+        if name not in _TORCH_DTYPES:
+            continue
+        key = (f"{device}:{n}", name)
+        if key not in _PEAKS:
+            _PEAKS[key] = _gemm_peak(device, name, n)
+        tflops[name], sizes[name] = _PEAKS[key]
+    if str(device) not in _BANDWIDTH:
+        src = torch.empty(64 * 2**20 if device.type == "cpu" else 256 * 2**20, device=device)  # 256 MB / 1 GB fp32
+        dst = torch.empty_like(src)
+        _BANDWIDTH[str(device)] = 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device, reps=3) / 1e9
+        del src, dst
+    sheet, sheet_gbps = _datasheet(device)
+    return Peaks(str(device), tflops, _BANDWIDTH[str(device)], sizes, link_gbps, sheet, sheet_gbps)
+
+
+def measure_link(device: torch.device, megabytes: int = 16) -> float | None:
+    """An all_reduce's bytes per second (of its buffer) across the default process group; ``None`` on one process.
+
+    A collective: every rank must call it, at the same point.
+
+    Args:
+        device: where the buffer goes (NCCL reduces CUDA tensors only).
+        megabytes: the buffer's size.
+
+    Example:
+        >>> measure_link(torch.device("cpu")) is None  # no process group
+        True
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    buffer = torch.zeros(megabytes * 2**18, device=device)
+    seconds = _timed(lambda: dist.all_reduce(buffer), device, reps=3)
+    return buffer.numel() * 4 / seconds / 1e9
 
 
 @dataclass
 class ClassRoofline:
-    """One op class in one window: its work, its time, its rates against the peaks, and what bounds it."""
+    """One op class in one window: its work, its time, and its rates against the peaks.
+
+    ``seconds`` is the self time of the class's ops (wrappers' and shape-less ops' included: the op-class share's
+    time); ``unknown_seconds`` that of Inductor's fused kernels of this class, which the trace records without shapes
+    (their time counts with the class, their work is not known, so they stay out of the rates). ``calls`` counts the
+    ops whose work is known.
+    """
 
     op_class: str
-    dtype: str
-    flops: float
-    bytes: float
-    seconds: float
+    flops_by_dtype: dict[str, float] = field(default_factory=dict)
+    bytes: float = 0.0
+    seconds: float = 0.0
+    calls: int = 0
+    unknown_seconds: float = 0.0
+    unknown_calls: int = 0
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of the ops whose work is known."""
+        return sum(self.flops_by_dtype.values())
+
+    @property
+    def dtype(self) -> str:
+        """The dtype that did most of its FLOPs (``"+"``-joined when a second did a tenth or more)."""
+        ranked = sorted(self.flops_by_dtype.items(), key=lambda kv: -kv[1])
+        if not ranked:
+            return "-"
+        names = [d for d, f in ranked if f >= 0.1 * ranked[0][1]]
+        return "+".join(names)
 
     @property
     def intensity(self) -> float:
@@ -104,18 +234,41 @@ class ClassRoofline:
         """Achieved GB/s."""
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
+    def compute_seconds(self, peaks: Peaks) -> float:
+        """Time its FLOPs take at the measured GEMM peak of the dtype each ran in."""
+        return sum(f / peaks.peak(d) for d, f in self.flops_by_dtype.items() if peaks.peak(d) > 0)
+
+    def memory_seconds(self, peaks: Peaks) -> float:
+        """Time its bytes take at the measured copy bandwidth."""
+        return self.bytes / (peaks.bandwidth_gbps * 1e9) if peaks.bandwidth_gbps else 0.0
+
+    def pct_peak(self, peaks: Peaks) -> float:
+        """Achieved FLOP/s as % of the measured GEMM peak of its dtype(s)."""
+        return 100 * self.compute_seconds(peaks) / self.seconds if self.seconds else 0.0
+
+    def pct_bandwidth(self, peaks: Peaks) -> float:
+        """Achieved bytes/s as % of the measured copy bandwidth."""
+        return 100 * self.memory_seconds(peaks) / self.seconds if self.seconds else 0.0
+
+    def roof_seconds(self, peaks: Peaks) -> float:
+        """The least time the roofline allows it: its FLOPs at the peak or its bytes at the bandwidth."""
+        return max(self.compute_seconds(peaks), self.memory_seconds(peaks))
+
     def bound(self, peaks: Peaks) -> tuple[str, float]:
-        """``(what bounds it, % of that roof)``: compute, memory, or overhead (under 10% of its roof)."""
-        compute = peaks.gemm_tflops.get(self.dtype, peaks.gemm_tflops.get("fp32", 0.0)) * 1e12
-        memory = peaks.bandwidth_gbps * 1e9
-        ridge = compute / memory if memory else math.inf
-        kind = "compute" if self.intensity >= ridge else "memory"
-        roof = compute if kind == "compute" else self.intensity * memory
-        achieved = self.flops / self.seconds if self.seconds else 0.0
-        pct = 100 * achieved / roof if roof else 0.0
-        if kind == "memory" and self.flops == 0:
-            pct = 100 * self.gbps / peaks.bandwidth_gbps if peaks.bandwidth_gbps else 0.0
-        return ("overhead" if pct < 10 else kind), pct
+        """``(what bounds it, % of that roof)``: compute, memory, or overhead (under 10% of its roof).
+
+        Overhead: its time is ten times what both its FLOPs at the peak and its bytes at the bandwidth would take:
+        small ops, bound by launch cost or the host.
+        """
+        compute, memory = self.compute_seconds(peaks), self.memory_seconds(peaks)
+        pct = 100 * max(compute, memory) / self.seconds if self.seconds else 0.0
+        if pct < 10:
+            return "overhead", pct
+        return ("compute" if compute >= memory else "memory"), pct
+
+    def lost_seconds(self, peaks: Peaks) -> float:
+        """Time above its roof: what the lever could win at most."""
+        return max(0.0, self.seconds - self.roof_seconds(peaks))
 
 
 def _bytes(shapes: list[Any], dtypes: list[str]) -> float:
@@ -127,59 +280,151 @@ def _bytes(shapes: list[Any], dtypes: list[str]) -> float:
 
 
 def _dtype_name(dtypes: list[str]) -> str:
-    first = next((d for d in dtypes if d in ("float", "c10::BFloat16", "c10::Half", "double")), "float")
-    return {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64"}[first]
+    first = next((d for d in dtypes if d in _DTYPE_NAMES), "float")
+    return _DTYPE_NAMES[first]
 
 
 def _attention_flops(key: str, cls: str, tensors: list[list[int]]) -> float:
     """Scaled dot-product attention's FLOPs from its shapes, which the profiler does not count.
 
-    From q ``[..., L, D]`` and k ``[..., S, D]``: its two GEMMs, 4 L S D per head forward; backward counted as twice
-    that.
+    FlopCounterMode's own formulas, which it does not apply to CPU's flash attention: forward from q, k, v (its two
+    GEMMs); backward from grad_out, q, k, v (five GEMMs: the scores are recomputed). 0 for shapes they do not take.
     """
-    if cls != "attention" or len(tensors) < 2 or len(tensors[0]) < 2 or len(tensors[1]) < 2:
+    if cls != "attention":
         return 0.0
-    q, k = tensors[0], tensors[1]
-    forward = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
-    return 2 * forward if "backward" in key else forward
+    backward = "backward" in key
+    needed = 4 if backward else 3
+    if len(tensors) < needed or any(len(t) != 4 for t in tensors[:needed]):
+        return 0.0
+    if ("_flash_attention_" in key or "_efficient_attention_" in key) and "scaled_dot_product" not in key:
+        # the kernels under aten::_scaled_dot_product_*_attention on CUDA take [batch, seq, heads, dim]
+        tensors = [[t[0], t[2], t[1], t[3]] for t in tensors[:needed]]
+    try:
+        if backward:
+            return float(flop_counter.sdpa_backward_flop_count(*tensors[:4]))
+        return float(flop_counter.sdpa_flop_count(*tensors[:3]))
+    except (AssertionError, ValueError):  # shapes the formula does not take (a mask in their place, say)
+        return 0.0
 
 
-def class_rooflines(prof: Any) -> dict[str, ClassRoofline]:
-    """Per op class of a stopped profiler: FLOPs, bytes, self time and dtype, from the leaf ops that did the work.
+def _conv_backward(tensors: list[list[int]], concrete: list[Any]) -> tuple[float, float]:
+    """``(FLOPs, output elements)`` of ``aten::convolution_backward``: FlopCounterMode's formula, its grads as asked."""
+    transposed = concrete[7] if len(concrete) > 7 and isinstance(concrete[7], bool) else False
+    mask = concrete[10] if len(concrete) > 10 and isinstance(concrete[10], list) else [True, True, False]
+    grad_out, x, w = tensors[:3]
+    flops = flop_counter.conv_backward_flop.__wrapped__(grad_out, x, w, None, None, None, None, transposed, None,
+                                                         None, mask, out_shape=[x, w, None])
+    return float(flops), mask[0] * math.prod(x) + mask[1] * math.prod(w)
 
-    GEMM and convolution FLOPs are the profiler's own (``with_flops``), attention's from its shapes
-    (:func:`_attention_flops`); elementwise-like classes count
-    :data:`_FLOPS_PER_ELEMENT` per element of their first input; bytes are the inputs' sizes plus an output the size
-    of the first input (a GEMM's output, ``m x n``, instead). Wrappers (``aten::linear`` around ``aten::addmm``) are
-    left out, so nothing counts twice.
+
+def _gemm_like(key: str, cls: str, event: Any, tensors: list[list[int]]) -> tuple[float, float]:
+    """``(FLOPs, output elements)`` of a matmul, conv or attention op."""
+    flops = float(event.flops or 0)
+    if cls == "attention":
+        return flops or _attention_flops(key, cls, tensors), math.prod(tensors[0])
+    if cls == "conv" and not flops and "backward" in key and len(tensors) >= 3:
+        return _conv_backward(tensors, list(getattr(event, "concrete_inputs", None) or []))
+    if cls == "conv" and len(tensors) >= 2:
+        return flops, flops / (2 * math.prod(tensors[1][1:]) or 1)  # each output element: 2 C_in k_h k_w FLOPs
+    if len(tensors) >= 2 and len(tensors[-1]) >= 2 and len(tensors) < 4 and not key.endswith("_out"):
+        return flops, tensors[-2][-2] * tensors[-1][-1] * math.prod(tensors[-2][:-2] or [1])  # m x n (x batch)
+    return flops, 0.0  # ``addmm``'s out= already sits among its inputs
+
+
+def _op_work(key: str, cls: str, event: Any) -> tuple[float, float, str] | None:
+    """``(FLOPs, bytes, dtype)`` of one op that does its class's work, from its shapes; ``None`` without any."""
+    shapes, dtypes = list(event.input_shapes or []), list(getattr(event, "input_dtypes", None) or [])
+    tensors = [s for s in shapes if isinstance(s, list) and s and all(isinstance(d, int) for d in s)]
+    if not tensors:
+        return None
+    itemsize = _ITEMSIZE.get(dtypes[0] if dtypes else "float", 4)
+    if cls in MODEL_FLOP_CLASSES:
+        flops, out = _gemm_like(key, cls, event, tensors)
+    else:
+        out = math.prod(tensors[0])
+        flops = _FLOPS_PER_ELEMENT.get(cls, 1.0) * out
+    return flops, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
+
+
+class _Tree:
+    """Which events of a profile do their class's work: each op once, never a wrapper and its child both."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, str] = {}
+
+    def cls(self, key: str) -> str:
+        if key not in self._classes:
+            self._classes[key] = classify_profiler_event(key)
+        return self._classes[key]
+
+    def _related(self, event: Any, cls: str) -> bool:
+        return self.cls(event.key) in (cls, *MODEL_FLOP_CLASSES)
+
+    def does_work(self, event: Any, cls: str) -> bool:
+        """The outermost op the profiler counted FLOPs for (``aten::conv2d`` over its chain), else the innermost.
+
+        Innermost: ``aten::addmm`` under ``aten::linear``, the math path's ``bmm`` under attention.
+        """
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.flops and self._related(parent, cls):
+                return False  # counted at that ancestor
+            parent = parent.cpu_parent
+        return bool(event.flops) or not any(self._related(c, cls) for c in event.cpu_children)
+
+
+def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofline]:
+    """Per op class of a stopped profiler: FLOPs per dtype, bytes and self time, from the leaf ops that did the work.
+
+    GEMM and forward convolution FLOPs are the profiler's own (``with_flops``); attention's and convolution
+    backward's come from their shapes through FlopCounterMode's formulas; elementwise-like classes count
+    :data:`_FLOPS_PER_ELEMENT` per element of their first input. Bytes are the inputs' sizes plus the output's (a
+    GEMM's ``m x n``, a convolution's from its FLOPs, else the first input's size). Wrappers (``aten::linear``
+    around ``aten::addmm``) add their time but not their work (:class:`_Tree`), so nothing counts twice. Inductor's
+    fused kernels count their time with their class (as the op-class shares do) in ``unknown_seconds``. The
+    ``communication`` row holds the bytes the collectives were handed.
 
     Args:
-        prof: a profiler run with ``record_shapes=True``.
+        prof: a profiler run with ``record_shapes=True`` (and ``with_flops=True`` for GEMM and conv FLOPs).
+        use_device: take device (CUDA) self time instead of CPU self time.
     """
     rows: dict[str, ClassRoofline] = {}
+    tree = _Tree()
     for e in prof.events():
         key = e.key
         if is_framework_event(key):
             continue
-        cls = classify_profiler_event(key)
-        if cls in ("other", "layout", "communication"):
+        cls = tree.cls(key)
+        seconds = float(e.self_device_time_total if use_device else e.self_cpu_time_total) / 1e6
+        if cls == "communication":
+            _add_communication(rows, e)
             continue
-        if any(classify_profiler_event(c.key) == cls for c in e.cpu_children):
-            continue  # a wrapper (aten::linear around aten::addmm): its child does the work
-        shapes, dtypes = list(e.input_shapes or []), list(getattr(e, "input_dtypes", None) or [])
-        tensors = [s for s in shapes if isinstance(s, list) and s]
-        if not tensors:
+        if cls in _NOT_WORK:
             continue
-        moved = _bytes(shapes, dtypes)
-        flops = float(e.flops or 0) or _attention_flops(key, cls, tensors)
-        itemsize = _ITEMSIZE.get(dtypes[0] if dtypes else "float", 4)
-        if flops and len(tensors) >= 2 and len(tensors[-1]) >= 2 and len(tensors[-2]) >= 2:
-            moved += tensors[-2][-2] * tensors[-1][-1] * itemsize * math.prod(tensors[-2][:-2] or [1])
-        else:
-            moved += math.prod(tensors[0]) * itemsize
-            flops = flops or _FLOPS_PER_ELEMENT.get(cls, 1.0) * math.prod(tensors[0])
-        row = rows.setdefault(cls, ClassRoofline(cls, _dtype_name(dtypes), 0.0, 0.0, 0.0))
-        row.flops += flops
+        row = rows.setdefault(cls, ClassRoofline(cls))
+        if fused_kernel_ops(key) is not None:
+            row.unknown_seconds += seconds
+            row.unknown_calls += 1
+            continue
+        # A wrapper's own time (aten::linear around aten::addmm) and that of ops with no tensor inputs is the class's
+        # dispatch cost: time without work of its own, so the class's time is the op-class share's, to the microsecond
+        row.seconds += seconds
+        work = _op_work(key, cls, e) if tree.does_work(e, cls) else None
+        if work is None:
+            continue
+        flops, moved, dtype = work
+        row.flops_by_dtype[dtype] = row.flops_by_dtype.get(dtype, 0.0) + flops
         row.bytes += moved
-        row.seconds += float(e.self_cpu_time_total) / 1e6
-    return rows
+        row.calls += 1
+    return {cls: row for cls, row in rows.items() if row.seconds or row.unknown_seconds}
+
+
+def _add_communication(rows: dict[str, ClassRoofline], event: Any) -> None:
+    parent = event.cpu_parent
+    if parent is not None and classify_profiler_event(parent.key) == "communication":
+        return  # gloo:all_reduce inside c10d::allreduce_: the outermost collective counts its bytes once
+    moved = _bytes(list(event.input_shapes or []), list(getattr(event, "input_dtypes", None) or []))
+    if moved:
+        row = rows.setdefault("communication", ClassRoofline("communication"))
+        row.bytes += moved
+        row.calls += 1

@@ -22,6 +22,13 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
         "step time (ms)": ["Multiline", [r"opkit/profiler/step_time_ms", r"opkit/compile/step_time_ms",
                                          r"opkit/profiler/framework_ms"]],
     },
+    "opkit roofline": {
+        "achieved TFLOP/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/tflops"]],
+        "achieved GB/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/gbps"]],
+        "% of the measured GEMM peak of its dtype": ["Multiline", [r"opkit/profiler/[a-z]+/pct_peak"]],
+        "% of the measured copy bandwidth": ["Multiline", [r"opkit/profiler/[a-z]+/pct_bandwidth"]],
+        "step MFU (%)": ["Multiline", [r"opkit/profiler/mfu", r"opkit/profiler/mfu_fp32", r"opkit/profiler/mfu_bf16"]],
+    },
     "opkit precision": {
         "16-bit output error vs fp32 recompute (relative)": ["Multiline", [r"opkit/precision/[a-z]+/rel_error"]],
         "16-bit outputs lost to underflow (fraction)": ["Multiline", [r"opkit/precision/[a-z]+/underflow_frac"]],

@@ -138,6 +138,17 @@ class TensorBoardWriter:
         if self._writer is not None:
             self._writer.add_text(tag, markdown, global_step=step)
 
+    def image(self, tag: str, pixels: Any, step: int) -> None:
+        """Write an ``(H, W, 3)`` uint8 image for TensorBoard's images tab.
+
+        Args:
+            tag: the full tag.
+            pixels: the image, height by width by RGB.
+            step: the global step.
+        """
+        if self._writer is not None:
+            self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
+
     def table(self, tag: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
         """Write a markdown table.
 

@@ -3,7 +3,9 @@
 Logged (rank zero), per window at its last step: ``opkit/profiler/windows``, ``step_time_ms``, ``profiled_steps``,
 ``framework_ms``, ``<class>/self_ms`` and ``<class>/percent`` for every class that ran, ``peak_memory_mb``
 (``profile_memory``), ``gflops_per_s`` (``with_flops``), ``export_s`` and ``export_errors`` (scalars), and the
-``top_ops`` and ``op_classes`` tables (text). Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``.
+``top_ops`` and ``op_classes`` tables (text). With ``roofline``: ``<class>/tflops``, ``gbps``, ``pct_peak``,
+``pct_bandwidth``, ``intensity``, ``mfu`` (and ``mfu_fp32``, ``mfu_bf16``, ``model_tflops``), the ``roofline`` table
+(text) and the ``roofline_plot`` image. Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from lightning_opkit._base import OpkitCallback
 from lightning_opkit._checks import check_bools, check_int
 from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit._profile_window import Window, opens_window, window_phase
+from lightning_opkit._regions import find_blocks
+from lightning_opkit._roofline import measure_link
+from lightning_opkit._roofline_view import RooflineReport, build_report, log_roofline
+from lightning_opkit._roofline_view import summary_lines as roofline_summary
 from lightning_opkit._tensorboard import markdown_table, run_log_dir
 
 __all__ = ["ProfilerWindows", "window_phase"]
@@ -58,6 +64,9 @@ class ProfilerWindows(OpkitCallback):
         keep_traces: keep only this many newest trace files of this run (0 = keep all).
         all_ranks: under DDP, profile every rank into its own trace files (default: rank zero only).
         span_validation: let a window stay open across a validation loop (default: validation closes it).
+        roofline: per window, each op class's achieved TFLOP/s and GB/s against this device's peaks (measured once
+            per process: dense GEMMs per dtype that ran, a large copy, an all_reduce under DDP), what bounds it and
+            the lever, the step's MFU; a table, a picture and scalars. Turns on ``record_shapes`` and ``with_flops``.
 
     Example:
         >>> windows = ProfilerWindows(every_n_steps=200, active=3)
@@ -81,15 +90,18 @@ class ProfilerWindows(OpkitCallback):
         keep_traces: int = 0,
         all_ranks: bool = False,
         span_validation: bool = False,
+        roofline: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
                                  ("top_k", top_k, 1), ("keep_traces", keep_traces, 0)):
             check_int(name, value, low)
-        self._profile_options = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
-                            with_flops=with_flops)
-        check_bools(**self._profile_options, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
-                    span_validation=span_validation)
+        check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
+                    with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
+                    span_validation=span_validation, roofline=roofline)
+        # the roofline reads each op's shapes, dtypes and the profiler's GEMM FLOPs
+        self._profile_options = dict(record_shapes=record_shapes or roofline, profile_memory=profile_memory,
+                                     with_stack=with_stack, with_flops=with_flops or roofline)
         _check_schedule(every_n_steps, warmup, active)
         self.every_n_steps = every_n_steps
         self.warmup = warmup
@@ -104,6 +116,7 @@ class ProfilerWindows(OpkitCallback):
         self.keep_traces = keep_traces
         self.all_ranks = all_ranks
         self.span_validation = span_validation
+        self.roofline = roofline
 
         self.windows_done = 0
         self.batches_seen = 0
@@ -113,6 +126,10 @@ class ProfilerWindows(OpkitCallback):
         self.trace_files: list[str] = []
         #: the last window's report
         self.last_report: WindowReport | None = None
+        #: the last window's roofline (``roofline=True``)
+        self.last_roofline: RooflineReport | None = None
+        self._link_gbps: float | None = None
+        self._blocks: list[str] = []
         self._window: Window | None = None
         self._trace_dir = ""
         self._charted: set[str] = set()
@@ -144,6 +161,9 @@ class ProfilerWindows(OpkitCallback):
         self._open_writer(trainer, stage)
         self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
         self._enabled = self.all_ranks or trainer.is_global_zero
+        if self.roofline and stage == "fit":
+            self._blocks = find_blocks(pl_module)
+            self._link_gbps = measure_link(trainer.strategy.root_device)  # a collective: every rank, here
 
     @override
     def _wind_down(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -156,8 +176,9 @@ class ProfilerWindows(OpkitCallback):
         if report is None:
             return [line]
         top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
-        return [line, "  last window's top op classes: " + ", ".join(f"{c} {p:.1f}%" for c, p in top)
-                + f" ({report.step_time_ms:.2f} ms / step)"]
+        lines = [line, "  last window's top op classes: " + ", ".join(f"{c} {p:.1f}%" for c, p in top)
+                 + f" ({report.step_time_ms:.2f} ms / step)"]
+        return lines + (roofline_summary(self.last_roofline) if self.last_roofline is not None else [])
 
     # the schedule: window_phase
 
@@ -215,6 +236,12 @@ class ProfilerWindows(OpkitCallback):
                                         else peak_cpu_memory(window.prof))
         self.windows_done += 1
         self.last_report = report
+        if self.roofline:
+            self.last_roofline = build_report(
+                window.prof, report.steps, report.step_time_ms / 1e3, device=trainer.strategy.root_device,
+                communication_seconds=report.communication_us / 1e6,
+                exposed_communication_seconds=report.exposed_communication_us / 1e6, link_gbps=self._link_gbps,
+                blocks=self._blocks, cuda=window.uses_cuda)
         step = trainer.global_step
         export_s = None
         if self.export_trace:
@@ -272,6 +299,9 @@ class ProfilerWindows(OpkitCallback):
         note = self._window_note(report, step, partial)
         writer.text("opkit/profiler/top_ops", note + "\n\n" + self._top_ops_table(report), step)
         writer.text("opkit/profiler/op_classes", note + "\n\n" + _class_table(report), step)
+        if self.roofline and self.last_roofline is not None:
+            title = f"Window {self.windows_done} (step {step})"
+            log_roofline(writer, self.last_roofline, note, title, step)
         writer.flush()
 
     def _window_note(self, report: WindowReport, step: int, partial: bool) -> str:

@@ -141,6 +141,21 @@ def read_events(log_dir: str):
     return scalars, texts
 
 
+def read_images(log_dir: str) -> dict[str, list[tuple[int, int, int, bytes]]]:
+    """All images written under ``log_dir``: tag -> ``(step, width, height, encoded PNG)``, via EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images: dict[str, list[tuple[int, int, int, bytes]]] = {}
+    dirs = {os.path.dirname(p) for p in glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)}
+    for d in sorted(dirs):
+        acc = EventAccumulator(d, size_guidance={"images": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("images", []):
+            images.setdefault(tag, []).extend((e.step, e.width, e.height, e.encoded_image_string)
+                                              for e in acc.Images(tag))
+    return images
+
+
 def read_layout(log_dir: str) -> dict[str, dict[str, list[str]]]:
     """The custom-scalars layouts written under ``log_dir``: category -> chart title -> tag regexes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

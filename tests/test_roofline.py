@@ -1,11 +1,21 @@
-"""The roofline's parts (issue 19, first part): measured peaks, work per op class from real profiler runs, bounds."""
+"""The roofline: measured peaks, work per op class from real profiler runs, bounds, levers, and what a run logs."""
 
+import dataclasses
+import io
+
+import helpers
+import numpy as np
+import pytest
 import torch
+from helpers import read_events, read_images, read_layout
+from PIL import Image
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from zoo import build
 
+from lightning_opkit import ProfilerWindows
 from lightning_opkit._roofline import class_rooflines, measure_peaks
+from lightning_opkit._roofline_view import RooflineReport
 
 
 def _profile(step):
@@ -15,7 +25,23 @@ def _profile(step):
     return prof
 
 
-def test_gemm_flops_per_class_equal_flop_counter_modes_on_a_zoo_model():
+def _raw(formula):
+    def counted(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    counted._get_raw = True  # already shape-wrapped by torch's registration
+    return counted
+
+
+def flop_counter():
+    """FlopCounterMode, with its own SDPA formulas applied to CPU's flash attention too (it leaves that op at 0)."""
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: _raw(torch.utils.flop_counter.sdpa_flop),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(torch.utils.flop_counter.sdpa_backward_flop)})
+
+
+def test_gemm_and_attention_flops_per_class_equal_flop_counter_modes_on_a_zoo_model():
     model = build("torch_encoder")
     batch = next(iter(model.loader()))
 
@@ -23,15 +49,33 @@ def test_gemm_flops_per_class_equal_flop_counter_modes_on_a_zoo_model():
         model.model.zero_grad()
         model.case.loss(model.model, batch).backward()
 
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         step()
     counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     gemm = sum(v for k, v in counts.items() if k in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"))
+    attention = sum(v for k, v in counts.items() if "attention" in k)
     rows = class_rooflines(_profile(step))
     assert gemm > 0
+    assert attention > 0
     assert rows["matmul"].flops == gemm  # forward and backward, wrappers (aten::linear) not counted twice
-    # the profiler counts no FLOPs for CPU flash attention: they come from q, k shapes
-    assert rows["attention"].flops > 0
+    assert rows["attention"].flops == attention  # forward, and backward with its recomputed scores
+
+
+def test_conv_flops_equal_flop_counter_modes_on_the_zoo_cnn():
+    model = build("bn_cnn")
+    batch = next(iter(model.loader()))
+
+    def step():
+        model.model.zero_grad()
+        model.case.loss(model.model, batch).backward()
+
+    with flop_counter() as counter:
+        step()
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    conv = sum(v for k, v in counts.items() if "convolution" in k)
+    rows = class_rooflines(_profile(step))
+    assert conv > 0
+    assert rows["conv"].flops == conv
 
 
 def test_a_wide_gemm_is_compute_bound_and_norm_gelu_memory_bound_against_measured_peaks():
@@ -53,3 +97,147 @@ def test_a_wide_gemm_is_compute_bound_and_norm_gelu_memory_bound_against_measure
         assert rows[cls].intensity < 5, rows[cls]
         assert rows[cls].bound(peaks)[0] in ("memory", "overhead"), rows[cls].bound(peaks)
     assert rows["norm"].bound(peaks)[0] == "memory"
+
+
+# ---- in a real run: logged per window, read back from the event files
+
+
+def _fit(tmp_path, model, callbacks, steps):
+    trainer = helpers.trainer(tmp_path, callbacks, max_steps=steps)
+    trainer.fit(model, model.loader(n=96))  # every case has more than `steps` batches in its one epoch
+    return trainer
+
+
+def _training_step_flops(model, batch):
+    with flop_counter() as counter:
+        model.case.loss(model.model, batch).backward()
+    model.model.zero_grad()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("case", ["torch_encoder", "hf_gpt2", "bn_cnn"])
+def test_roofline_per_window_in_tensorboard_scalars_table_picture_and_summary(tmp_path, case):
+    model = build(case)
+    windows = ProfilerWindows(every_n_steps=3, warmup=0, active=2, roofline=True, export_trace=False)
+    _fit(tmp_path, model, [windows], steps=8)
+    roofline = windows.last_roofline
+    scalars, texts = read_events(str(tmp_path))
+    gemm = "conv" if case == "bn_cnn" else "matmul"
+    # two windows (steps 4-5 and 7-8), each with the class's achieved rates and the step's MFU
+    assert [s for s, _ in scalars[f"opkit/profiler/{gemm}/tflops"]] == [5, 8]
+    for tail in ("gbps", "pct_peak", "pct_bandwidth", "intensity"):
+        assert len(scalars[f"opkit/profiler/{gemm}/{tail}"]) == 2, tail
+    row = roofline.rows[gemm]
+    assert scalars[f"opkit/profiler/{gemm}/tflops"][-1][1] == pytest.approx(row.tflops, rel=1e-5)
+    assert scalars[f"opkit/profiler/{gemm}/pct_peak"][-1][1] == pytest.approx(row.pct_peak(roofline.peaks), rel=1e-5)
+    mfu = scalars["opkit/profiler/mfu"][-1][1]
+    assert 0 < mfu <= 100
+    assert mfu == pytest.approx(scalars["opkit/profiler/mfu_fp32"][-1][1], rel=1e-5)  # everything ran in fp32
+    # the step's model FLOPs are those of a forward and backward as FlopCounterMode counts them
+    batch = next(iter(model.loader()))
+    assert sum(roofline.model_flops_by_dtype().values()) == pytest.approx(_training_step_flops(model, batch),
+                                                                          rel=0.02)
+    # the table states the peaks and units; every class that ran has a row with its bound and lever
+    table = texts["opkit/profiler/roofline"][-1][1]
+    assert "Peaks measured on cpu: dense GEMM fp32" in table
+    assert "| class | dtype | ms / step | GFLOP / step | MB / step | FLOP / B | TFLOP/s | GB/s |" in table
+    for cls in roofline.rows:
+        assert f"| {cls} |" in table, cls
+    assert "MFU" in table
+    # the picture: one per window, a PNG with the roofs and points drawn (not a blank canvas)
+    images = read_images(str(tmp_path))["opkit/profiler/roofline_plot"]
+    assert [(s, w, h) for s, w, h, _ in images] == [(5, 900, 560), (8, 900, 560)]
+    pixels = np.asarray(Image.open(io.BytesIO(images[-1][3])).convert("RGB"))
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20
+    lines = windows.summary_lines()
+    assert any(line.strip().startswith("roofline: MFU") for line in lines), lines
+    assert any("most time above its roof" in line for line in lines), lines
+    layout = read_layout(str(tmp_path))["opkit roofline"]
+    assert r"opkit/profiler/[a-z]+/tflops" in layout["achieved TFLOP/s per op class"]
+
+
+def test_op_class_time_in_the_roofline_is_the_op_class_share_time(tmp_path):
+    model = build("torch_encoder")
+    windows = ProfilerWindows(every_n_steps=3, warmup=0, active=1, roofline=True, export_trace=False)
+    _fit(tmp_path, model, [windows], steps=4)
+    report, roofline = windows.last_report, windows.last_roofline
+    for cls, us in report.class_self_us.items():
+        if cls in ("other", "layout", "communication") or us == 0:
+            continue
+        row = roofline.rows[cls]
+        assert 1e6 * (row.seconds + row.unknown_seconds) == pytest.approx(us, rel=1e-6, abs=1e-3), cls
+
+
+# ---- the lever: only what the measurement supports
+
+
+def _gemm_row():
+    torch.manual_seed(0)
+    mlp, x = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)), torch.randn(256, 512)
+    return class_rooflines(_profile(lambda: mlp(x).sum().backward()))
+
+
+def test_precision_lever_only_where_a_16_bit_gemm_was_measured_faster():
+    rows = _gemm_row()
+    measured = measure_peaks("cpu", ("fp32", "bf16"))
+    report = RooflineReport(rows, measured, steps=1, step_seconds=1.0)
+    lever = report.lever(rows["matmul"])
+    if measured.gemm_tflops["bf16"] >= 1.5 * measured.gemm_tflops["fp32"]:
+        assert "PrecisionPolicy(rules={'matmul': 'bf16'})" in lever
+    else:  # e.g. an AVX2 CPU: bf16 GEMMs emulated, far slower
+        assert "PrecisionPolicy" not in lever
+        assert "no precision lever" in lever or "overhead" in lever
+    # The same row judged against a device whose bf16 GEMMs are 4x fp32's (as on AMX) and one where they are slower.
+    fp32 = measured.gemm_tflops["fp32"]
+    fast = dataclasses.replace(measured, gemm_tflops={"fp32": fp32, "bf16": 4 * fp32})
+    slow = dataclasses.replace(measured, gemm_tflops={"fp32": fp32, "bf16": fp32 / 10})
+    kind = rows["matmul"].bound(fast)[0]
+    if kind == "compute":
+        assert "PrecisionPolicy(rules={'matmul': 'bf16'})" in lever_for(rows, fast)
+        assert "4.0x fp32's" in lever_for(rows, fast)
+        assert "bf16 GEMMs measured 10.0x slower" in lever_for(rows, slow)
+        assert "PrecisionPolicy" not in lever_for(rows, slow)
+
+
+def lever_for(rows, peaks):
+    return RooflineReport(rows, peaks, steps=1, step_seconds=1.0).lever(rows["matmul"])
+
+
+def test_fusion_lever_for_memory_bound_norm_and_activation_names_the_blocks():
+    ln = nn.Sequential(nn.LayerNorm(1024), nn.GELU(), nn.LayerNorm(1024), nn.GELU())
+    y = torch.randn(4096, 1024, requires_grad=True)
+    rows = class_rooflines(_profile(lambda: ln(y).sum().backward()))
+    peaks = measure_peaks("cpu", ("fp32",))
+    report = RooflineReport(rows, peaks, steps=1, step_seconds=1.0, blocks=["model.blocks.0", "model.blocks.1"])
+    assert rows["norm"].bound(peaks)[0] == "memory"
+    lever = report.lever(rows["norm"])
+    assert "TorchCompile(modules=['model.blocks.*'])" in lever
+    assert f"({peaks.bandwidth_gbps:.1f} GB/s)" in lever  # the measured roof beside the percentage
+
+
+def test_tiny_ops_are_overhead_bound_and_told_to_batch_or_compile():
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+
+    def step():
+        h = x
+        for _ in range(50):
+            h = lin(h)
+        h.sum().backward()
+
+    rows = class_rooflines(_profile(step))
+    peaks = measure_peaks("cpu", ("fp32",))
+    kind, pct = rows["matmul"].bound(peaks)
+    assert kind == "overhead", pct
+    lever = RooflineReport(rows, peaks, steps=1, step_seconds=1.0).lever(rows["matmul"])
+    assert "calls / step" in lever
+    assert "TorchCompile()" in lever
+    assert "a bigger batch" in lever
+    assert "CUDA graphs" not in lever  # not on a CPU
+
+
+def test_roofline_option_is_checked_and_turns_on_shapes_and_flops():
+    with pytest.raises(ValueError, match="roofline"):
+        ProfilerWindows(roofline="yes")
+    windows = ProfilerWindows(roofline=True)
+    assert windows._profile_options["record_shapes"]
+    assert windows._profile_options["with_flops"]
