@@ -273,9 +273,11 @@ class ClassRoofline:
 
 def _bytes(shapes: list[Any], dtypes: list[str]) -> float:
     total = 0.0
-    for shape, dtype in zip(shapes, dtypes):
+    for shape, dtype in zip(shapes, dtypes or ["float"] * len(shapes)):
         if isinstance(shape, list) and shape and all(isinstance(d, int) for d in shape):
             total += math.prod(shape) * _ITEMSIZE.get(dtype, 4)
+        elif isinstance(shape, list) and shape and all(isinstance(d, list) for d in shape):
+            total += _bytes(shape, [dtype if dtype in _ITEMSIZE else "float"] * len(shape))  # a list of tensors
     return total
 
 
@@ -416,7 +418,7 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
         row.flops_by_dtype[dtype] = row.flops_by_dtype.get(dtype, 0.0) + flops
         row.bytes += moved
         row.calls += 1
-    return {cls: row for cls, row in rows.items() if row.seconds or row.unknown_seconds}
+    return {cls: row for cls, row in rows.items() if row.seconds or row.unknown_seconds or row.bytes}
 
 
 def _add_communication(rows: dict[str, ClassRoofline], event: Any) -> None:

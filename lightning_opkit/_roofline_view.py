@@ -172,12 +172,17 @@ def _communication_lever(row: ClassRoofline, report: RooflineReport) -> str:
     link = report.peaks.link_gbps
     share = 100 * report.exposed_communication_seconds / report.steps / report.step_seconds if \
         report.step_seconds else 0.0
-    rate = f"{row.gbps:.2f} GB/s" + (f", {100 * row.gbps / link:.0f}% of the measured all_reduce {link:.2f} GB/s"
-                                     if link else "")
+    pct = 100 * row.gbps / link if link else None
+    rate = f"{row.gbps:.3g} GB/s" + (f", {pct:.0f}% of the measured all_reduce {link:.3g} GB/s" if link else "")
+    per_call = row.bytes / max(row.calls, 1) / 1e3
+    if pct is not None and pct < 10:
+        return (f"latency-bound: {row.calls / report.steps:.0f} collective(s) / step of {per_call:.1f} kB at {rate};"
+                f" {share:.0f}% of the step waits on it: fewer, larger messages (larger DDP buckets, gradient"
+                " accumulation)")
     if share >= 10:
         return (f"{share:.0f}% of the step waits on communication ({rate}): overlap it (larger DDP buckets, FSDP2"
                 " prefetch) or communicate less often (gradient accumulation)")
-    return f"hidden behind compute but {share:.0f}% of the step ({rate})"
+    return f"mostly hidden behind compute: {share:.0f}% of the step waits on it ({rate})"
 
 
 def roofline_table(report: RooflineReport) -> str:

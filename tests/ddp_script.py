@@ -16,7 +16,7 @@ from lightning_opkit import ProfilerWindows, TorchCompile  # noqa: E402
 
 if __name__ == "__main__":
     out, all_ranks = sys.argv[1], sys.argv[2] == "all"
-    profiler = ProfilerWindows(every_n_steps=2, warmup=0, active=1, all_ranks=all_ranks)
+    profiler = ProfilerWindows(every_n_steps=2, warmup=0, active=1, all_ranks=all_ranks, roofline=True)
     compiler = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[profiler, compiler],
                          logger=pl.loggers.TensorBoardLogger(out), enable_checkpointing=False,
@@ -32,6 +32,12 @@ if __name__ == "__main__":
         "weights": [round(float(v), 6) for v in model.head.weight.detach().flatten()[:6]],
         "compiled_after": ["forward" in vars(m) for m in model.blocks.modules()],
         "keys": list(torch.load(os.path.join(out, "ddp.ckpt"), weights_only=False)["state_dict"]),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
+    roofline = profiler.last_roofline
+    if roofline is not None:
+        comm = roofline.rows.get("communication")
+        result.update(link_gbps=roofline.peaks.link_gbps, comm_bytes_per_step=comm and comm.bytes / roofline.steps,
+                      comm_gbps=comm and comm.gbps, comm_lever=comm and roofline.lever(comm))
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

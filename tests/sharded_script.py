@@ -186,7 +186,8 @@ def callbacks_for(name):
     elif "precision" in name or "all4" in name:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
     if "profiler" in name or "all4" in name:
-        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True)
+        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,
+                                           roofline=name == "profiler")
     if "compile" in name or "all4" in name:
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
     return made
@@ -264,6 +265,13 @@ def fit(out, layout, name, steps=10):
         result["ops"] = {r.name: r.op_class for r in report.ops} if report else {}
         result["communication"] = [report.communication_us, report.exposed_communication_us] if report else None
         result["step_ms"] = report.step_time_ms if report else None
+        roofline = made["profiler"].last_roofline
+        if roofline is not None:
+            comm = roofline.rows.get("communication")
+            result["roofline"] = {"link_gbps": roofline.peaks.link_gbps, "mfu": roofline.mfu(),
+                                  "matmul_gflops": roofline.rows["matmul"].flops / 1e9 / roofline.steps,
+                                  "comm_bytes": comm.bytes / roofline.steps if comm else 0.0,
+                                  "comm_lever": roofline.lever(comm) if comm else ""}
     if "compile" in made:
         result["compiled"] = made["compile"].compiled
         result["frames"] = made["compile"].watch.frames

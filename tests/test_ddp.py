@@ -53,8 +53,16 @@ def test_profiler_and_compile_under_ddp(tmp_path, ranks):
     assert r1["trace_files"] == ([] if ranks == "zero" else ["rank1.3.pt.trace.json.gz", "rank1.5.pt.trace.json.gz"])
     traces = sorted(os.listdir(tmp_path / "lightning_logs" / "version_0" / "traces"))
     assert traces == sorted(r0["trace_files"] + r1["trace_files"])
-    scalars, _ = read_events(str(tmp_path / "lightning_logs"))
+    scalars, texts = read_events(str(tmp_path / "lightning_logs"))
     assert [s for s, _ in scalars["opkit/profiler/step_time_ms"]] == [3, 5]  # only rank zero writes TensorBoard
+    # the roofline's communication row: every gradient byte all-reduced once a step, against the measured link
+    for r in (r0, r1) if ranks == "all" else (r0,):
+        assert r["link_gbps"] > 0, r
+        assert r["comm_bytes_per_step"] == r["param_bytes"], r
+        assert r["comm_gbps"] > 0, r
+        assert "of the measured all_reduce" in r["comm_lever"], r
+    assert len(scalars["opkit/profiler/communication/pct_link"]) == 2
+    assert "| communication |" in texts["opkit/profiler/roofline"][-1][1]
     assert "opkit/compile/compiles" in scalars
 
 

@@ -241,3 +241,33 @@ def test_roofline_option_is_checked_and_turns_on_shapes_and_flops():
     windows = ProfilerWindows(roofline=True)
     assert windows._profile_options["record_shapes"]
     assert windows._profile_options["with_flops"]
+
+
+# ---- under compile: Inductor's fused kernels count with their class
+
+
+def test_inductor_fused_kernels_count_their_time_with_their_class_and_are_not_told_to_fuse(tmp_path):
+    from test_compile import Blocks
+
+    from lightning_opkit import TorchCompile
+
+    windows = ProfilerWindows(every_n_steps=4, warmup=1, active=2, roofline=True, export_trace=False)
+    model = Blocks(depth=2)
+    trainer = helpers.trainer(tmp_path, [TorchCompile(modules=["blocks.*"]), windows], max_steps=8)
+    trainer.fit(model, helpers.make_loader(n=96, dim=8))
+    report, roofline = windows.last_report, windows.last_roofline
+    fused = {cls: row for cls, row in roofline.rows.items() if row.unknown_calls}
+    assert fused, roofline.rows  # LayerNorm, GELU and the residual add ran as cpp_fused_* kernels
+    assert roofline.compiled
+    for cls, row in fused.items():
+        # the class's time is the op-class share's time, fused kernels included
+        assert 1e6 * (row.seconds + row.unknown_seconds) == pytest.approx(report.class_self_us[cls], rel=1e-6), cls
+        assert "fuse it" not in roofline.lever(row), roofline.lever(row)
+    # the GEMMs stay extern kernels (aten::addmm / mm) with shapes: their FLOPs are counted
+    assert roofline.rows["matmul"].flops > 0
+    table = texts_of(tmp_path)["opkit/profiler/roofline"][-1][1]
+    assert "Inductor's fused kernels" in table
+
+
+def texts_of(tmp_path):
+    return read_events(str(tmp_path))[1]

@@ -112,6 +112,13 @@ def test_each_callback_alone_under_fsdp2(runs):
         assert r["ops"]["FSDP::post_backward_reduce"] == "communication"
         comm, exposed = r["communication"]
         assert 0 < exposed <= comm
+        # the roofline on local shards: GEMM FLOPs counted, the collectives' bytes against the measured link
+        roofline = r["roofline"]
+        assert roofline["link_gbps"] > 0
+        assert roofline["matmul_gflops"] > 0
+        assert roofline["mfu"] > 0
+        assert roofline["comm_bytes"] > 0
+        assert "of the measured all_reduce" in roofline["comm_lever"]
     for r in fsdp["compile"]:
         assert r["frames"] > 0
         assert r["compile_error"] is None
