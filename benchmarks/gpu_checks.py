@@ -14,6 +14,9 @@
    GPU steps, where it matters most.
 8. rules="auto" at realistic width beside plain fp32 and bf16-mixed, eager and compiled
    (benchmarks/precision_width.py: the GPT-2-style LM and the widened ViT).
+9. The roofline on the GPU (ProfilerWindows(roofline=True), bf16-mixed): measured peaks beside the datasheet's,
+   the table and picture of the example ViT and the zoo GPT-2 (pictures written to $OUT or the working directory),
+   the matmul class's share of the bf16 peak.
 """
 
 from __future__ import annotations
@@ -40,6 +43,39 @@ def fit(callbacks: list[pl.Callback], steps: int, **kwargs) -> pl.Trainer:
         torch.manual_seed(0)
         trainer.fit(ViTClassifier(), DigitsDataModule())
         return trainer
+
+
+def roofline_check() -> bool:
+    """Check 9: the roofline tables and pictures of the example ViT and the zoo GPT-2 on this GPU."""
+    from PIL import Image
+
+    from lightning_opkit._roofline_plot import roofline_image
+    from lightning_opkit._roofline_view import roofline_table
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from zoo import build
+
+    out = os.environ.get("OUT", ".")
+    ok = True
+    for name in ("vit", "zoo_gpt2"):
+        windows = ProfilerWindows(every_n_steps=5, warmup=1, active=2, roofline=True, export_trace=False)
+        if name == "vit":
+            fit([windows], 8, precision="bf16-mixed")
+        else:
+            model = build("hf_gpt2")
+            with tempfile.TemporaryDirectory() as root:
+                pl.Trainer(default_root_dir=root, accelerator="cuda", devices=1, max_steps=8, callbacks=[windows],
+                           enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                           precision="bf16-mixed").fit(model, model.loader(n=96))
+        report = windows.last_roofline
+        print(f"9. roofline, {name}:\n" + roofline_table(report))
+        path = os.path.join(out, f"roofline_{name}_gpu.png")
+        Image.fromarray(roofline_image(report.rows, report.peaks, f"{name} on {torch.cuda.get_device_name()}")).save(
+            path)
+        print("   picture:", path)
+        matmul = report.rows.get("matmul")
+        ok &= bool(matmul and matmul.tflops > 0 and "bf16" in matmul.dtype and report.mfu() is not None)
+    return ok
 
 
 def main() -> int:
@@ -79,6 +115,7 @@ def main() -> int:
     fit([auto], 10, precision="16-mixed")
     print("5. rules='auto' under 16-mixed:", {c: (d.dtype, d.reason) for c, d in auto.decisions.items()})
     ok &= auto.measurements is not None and auto.measurements.get("matmul", "bf16") is not None
+    ok &= roofline_check()
     here = os.path.dirname(os.path.abspath(__file__))
     subprocess.run([sys.executable, os.path.join(here, "sensitivity.py"), "--accelerator", "cuda"], check=False)
 

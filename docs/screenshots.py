@@ -1,4 +1,4 @@
-"""Screenshots of what a user sees in TensorBoard, for the README: the custom-scalars view and the op-class table.
+"""Screenshots of what a user sees in TensorBoard, for the README: custom scalars, op-class and roofline views.
 
 Trains the example ViT briefly with all four callbacks (eager compile backend, so it takes well under a minute on
 CPU), serves the logs with TensorBoard on 127.0.0.1, and has headless Chromium (Debian's ``chromium-headless-shell``)
@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 PAGES = {"custom_scalars.png": "#custom_scalars", "op_classes.png": "#text&tagFilter=op_classes",
-         "sensitivity.png": "#text&tagFilter=precision/sensitivity"}
+         "sensitivity.png": "#text&tagFilter=precision/sensitivity",
+         "roofline_table.png": "#text&tagFilter=profiler/roofline", "roofline_plot.png": "#images&tagFilter=roofline"}
 
 
 def train(log_dir: str) -> None:
@@ -42,6 +43,22 @@ def train(log_dir: str) -> None:
     cli.trainer.fit(cli.model, cli.datamodule)
 
 
+def save_logged_picture(log_dir: str, tag: str, out: str) -> None:
+    """Write the last image logged under ``tag`` as it sits in the event file (TensorBoard shows it scaled down)."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for path in glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(os.path.dirname(path), size_guidance={"images": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("images", []):
+            with open(out, "wb") as f:
+                f.write(acc.Images(tag)[-1].encoded_image_string)
+            print(f"wrote {out}")
+            return
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface."""
     with socket.socket() as s:
@@ -56,6 +73,7 @@ def main() -> None:
         sys.exit("needs headless Chromium: apt-get install chromium-headless-shell")
     log_dir = tempfile.mkdtemp()
     train(log_dir)
+    save_logged_picture(log_dir, "opkit/profiler/roofline_plot", os.path.join(ROOT, "docs", "roofline_example.png"))
     port = free_port()
     board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1",
                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -34,6 +34,8 @@ _FLOPS_PER_ELEMENT = {"norm": 8.0, "softmax": 5.0, "activation": 8.0, "loss": 4.
 #: applies to them)
 MODEL_FLOP_CLASSES = ("matmul", "conv", "attention", "rnn")
 _NOT_WORK = ("other", "layout", "communication")
+#: below this much time per op, an op far under both roofs is bound by launch or host cost
+_OVERHEAD_CALL_S = 100e-6
 _PEAKS: dict[tuple[str, str], tuple[float, int]] = {}
 _BANDWIDTH: dict[str, float] = {}
 
@@ -97,15 +99,21 @@ def _timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 
 
 def _gemm_peak(device: torch.device, dtype: str, n: int | None) -> tuple[float, int]:
-    """Best TFLOP/s of ``a @ a``: at ``n``, else doubling from 256 until one GEMM takes 20 ms or the size cap."""
+    """Best TFLOP/s of ``a @ a``, and the size that reached it.
+
+    At ``n``, else over sizes doubling from 256 (1024 on CUDA) until one GEMM takes 20 ms or the size reaches 2048
+    (8192).
+    """
     size = n or (1024 if device.type == "cuda" else 256)
     cap = n or (8192 if device.type == "cuda" else 2048)
+    best = (0.0, size)
     while True:
         a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
-        seconds = _timed(lambda a=a: a @ a, device, reps=1 if size < cap else 3)
+        seconds = _timed(lambda a=a: a @ a, device, reps=2)
+        best = max(best, (2 * size**3 / seconds / 1e12, size))
         if size >= cap or seconds > 0.02:
             # a slow dtype (bf16 emulated on a CPU without bf16 units) stops at a small size, in well under a second
-            return 2 * size**3 / _timed(lambda a=a: a @ a, device, reps=2) / 1e12, size
+            return best
         size *= 2
 
 
@@ -255,15 +263,20 @@ class ClassRoofline:
         return max(self.compute_seconds(peaks), self.memory_seconds(peaks))
 
     def bound(self, peaks: Peaks) -> tuple[str, float]:
-        """``(what bounds it, % of that roof)``: compute, memory, or overhead (under 10% of its roof).
+        """``(what bounds it, % of that roof)``: compute, memory, overhead or dispatch.
 
-        Overhead: its time is ten times what both its FLOPs at the peak and its bytes at the bandwidth would take:
-        small ops, bound by launch cost or the host.
+        Compute or memory by its arithmetic intensity against the ridge (peak over bandwidth). Overhead: under 10% of
+        its roof (ten times the time both its FLOPs at the peak and its bytes at the bandwidth would take) in ops of
+        under 100 us each: launch or host cost. Big ops that far below their roof keep their bound; the lever calls
+        them slow kernels. Dispatch: none of its ops recorded work of its own (the math path of attention, whose
+        GEMMs and softmax count in their own classes).
         """
         compute, memory = self.compute_seconds(peaks), self.memory_seconds(peaks)
         pct = 100 * max(compute, memory) / self.seconds if self.seconds else 0.0
-        if pct < 10:
-            return "overhead", pct
+        if not self.calls:
+            return "dispatch", pct
+        if pct < 10 and self.seconds / self.calls < _OVERHEAD_CALL_S:
+            return "overhead", pct  # far below both roofs in many small ops: launch or host cost
         return ("compute" if compute >= memory else "memory"), pct
 
     def lost_seconds(self, peaks: Peaks) -> float:
@@ -342,10 +355,25 @@ def _op_work(key: str, cls: str, event: Any) -> tuple[float, float, str] | None:
     itemsize = _ITEMSIZE.get(dtypes[0] if dtypes else "float", 4)
     if cls in MODEL_FLOP_CLASSES:
         flops, out = _gemm_like(key, cls, event, tensors)
-    else:
-        out = math.prod(tensors[0])
-        flops = _FLOPS_PER_ELEMENT.get(cls, 1.0) * out
-    return flops, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
+        return flops, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
+    touched = _gathered(key, tensors)
+    if touched is not None:  # reads only the rows its indices pick, not the whole table
+        return (_FLOPS_PER_ELEMENT.get(cls, 1.0) * touched, 2 * touched * itemsize + 8 * math.prod(tensors[-1]),
+                _dtype_name(dtypes))
+    out = math.prod(tensors[0])
+    return _FLOPS_PER_ELEMENT.get(cls, 1.0) * out, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
+
+
+def _gathered(key: str, tensors: list[list[int]]) -> float | None:
+    """Elements a gather-like forward reads (an embedding's picked rows, a loss's picked logits); ``None`` else."""
+    name = key.rsplit("::", 1)[-1]
+    if len(tensors) < 2 or "backward" in name:
+        return None
+    if name in ("embedding", "index_select"):
+        return math.prod(tensors[1]) * math.prod(tensors[0][1:])
+    if name in ("gather", "take") or name.startswith("nll_loss"):
+        return float(math.prod(tensors[1] if name.startswith("nll_loss") else tensors[-1]))
+    return None
 
 
 class _Tree:

@@ -74,8 +74,8 @@ class RooflineReport:
         return 100 * seconds / self.step_seconds
 
     def worst(self) -> ClassRoofline | None:
-        """The class with the most time above its roof (communication apart)."""
-        rows = [r for c, r in self.rows.items() if c != "communication" and r.seconds > 0]
+        """The class with the most time above its roof (communication and classes with no work of their own apart)."""
+        rows = [r for c, r in self.rows.items() if c != "communication" and r.seconds > 0 and r.calls]
         return max(rows, key=lambda r: r.lost_seconds(self.peaks), default=None)
 
     def lever(self, row: ClassRoofline) -> str:
@@ -153,10 +153,22 @@ def lever(row: ClassRoofline, report: RooflineReport) -> str:
     if row.seconds <= 0:
         return "fused by Inductor: its work is not in the trace"
     kind, pct = row.bound(peaks)
+    if kind == "dispatch":
+        return ("no op of this class did work of its own: its time is dispatch around ops counted in their classes"
+                " (attention's math path: matmul, softmax)")
     if kind == "overhead":
         return _overhead_lever(row, report, pct)
-    if row.op_class in MODEL_FLOP_CLASSES:
-        return _gemm_lever(row, report, kind, pct)
+    text = _gemm_lever(row, report, kind, pct) if row.op_class in MODEL_FLOP_CLASSES else _elementwise_lever(
+        row, report, kind, pct)
+    if pct < 10:
+        text += (f"; at only {pct:.1f}% of its roof in ops of {1e3 * row.seconds / row.calls:.2f} ms each, which is"
+                 " not launch cost: slow kernels (see this class's ops in top_ops: strided or broadcast inputs, a"
+                 " fallback path, first-touch page faults of fresh outputs on CPU)")
+    return text
+
+
+def _elementwise_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: float) -> str:
+    peaks = report.peaks
     if kind == "memory" and not report.compiled:
         target = block_glob(report.blocks)
         where = f"TorchCompile(modules=['{target}'])" if target else "TorchCompile()"
@@ -186,30 +198,33 @@ def _communication_lever(row: ClassRoofline, report: RooflineReport) -> str:
 
 
 def roofline_table(report: RooflineReport) -> str:
-    """The window's roofline as a markdown table, the peaks stated above it, the MFU below.
+    """The window's roofline: the peaks, a table of rates and bounds per class, each class's lever, the MFU.
 
     Args:
         report: the window.
     """
     peaks, steps = report.peaks, report.steps
     headers = ["class", "dtype", "ms / step", "GFLOP / step", "MB / step", "FLOP / B", "TFLOP/s", "GB/s",
-               "% GEMM peak", "% bandwidth", "bound", "lever"]
-    rows = []
+               "% GEMM peak", "% bandwidth", "bound"]
+    rows, levers = [], []
     for row in sorted(report.rows.values(), key=lambda r: -(r.seconds + r.unknown_seconds)):
-        if row.op_class == "communication":
-            rows.append([row.op_class, "-", 1e3 * row.seconds / steps, "-", row.bytes / 1e6 / steps, "-", "-",
-                         row.gbps, "-", "-", "link", report.lever(row)])
-            continue
-        kind, _ = row.bound(peaks) if row.seconds else ("fused", 0.0)
         ms = 1e3 * (row.seconds + row.unknown_seconds) / steps
+        levers.append(f"- **{row.op_class}** ({ms:.3f} ms / step): {report.lever(row)}")
+        if row.op_class == "communication":
+            rows.append([row.op_class, "-", ms, "-", row.bytes / 1e6 / steps, "-", "-", row.gbps, "-", "-", "link"])
+            continue
+        kind = row.bound(peaks)[0] if row.seconds else "fused"
         rows.append([row.op_class, row.dtype, ms, row.flops / 1e9 / steps, row.bytes / 1e6 / steps, row.intensity,
-                     row.tflops, row.gbps, row.pct_peak(peaks), row.pct_bandwidth(peaks), kind, report.lever(row)])
+                     row.tflops, row.gbps, row.pct_peak(peaks), row.pct_bandwidth(peaks), kind])
     text = f"Peaks {peaks.describe()}.\n\n" + markdown_table(headers, rows)
+    if any(r.pct_bandwidth(peaks) > 100 for r in report.rows.values() if r.op_class != "communication"):
+        text += ("\n\nAbove 100% of the bandwidth: that class's data was served from cache, faster than the large"
+                 " copy the bandwidth roof was measured with.")
     fused = [r for r in report.rows.values() if r.unknown_calls]
     if fused:
         text += ("\n\nInductor's fused kernels (time in their class's ms / step, work not recorded, so not in the"
                  " rates): " + ", ".join(f"{r.op_class} {1e3 * r.unknown_seconds / steps:.3f} ms" for r in fused))
-    return text + "\n\n" + mfu_line(report)
+    return text + "\n\n" + mfu_line(report) + "\n\n**Levers**, from the measurements above:\n\n" + "\n".join(levers)
 
 
 def mfu_line(report: RooflineReport) -> str:

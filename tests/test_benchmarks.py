@@ -17,3 +17,16 @@ def test_overhead_harness_prints_ratios_with_an_a_a_control():
     assert float(rows[0][2]) == 1.0
     assert all(float(r[1]) > 0 for r in rows)
     assert "NaNDetector / detect_anomaly:" in out
+
+
+def test_roofline_cost_harness_prints_the_ratio_with_and_without_the_roofline(tmp_path):
+    script = os.path.join(os.path.dirname(SCRIPT), "roofline_cost.py")
+    picture = tmp_path / "roofline.png"
+    out = subprocess.run([sys.executable, script, "--reps", "1", "--steps", "7", "--every", "3", "--save",
+                          str(picture)], capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = re.findall(r"^\s+(windows.*?)\s+close\s+([\d.]+) ms/window \(ratio\s+([\d.]+)\)", out, re.M)
+    assert [r[0] for r in rows] == ["windows", "windows + roofline", "windows (A/A)"]
+    assert float(rows[0][2]) == 1.0
+    assert "the roofline's extra cost per window" in out
+    assert "| matmul | fp32 |" in out
+    assert picture.stat().st_size > 10_000

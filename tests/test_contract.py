@@ -12,7 +12,7 @@ CALLBACKS = {
     "PrecisionPolicy": (PrecisionPolicy, dict(rules={"norm": "fp32"}, modules={"head": "fp32"},
                                               census_every_n_steps=2)),
     "NaNDetector": (NaNDetector, dict(action="skip", every_n_steps=2, modules=["body.*"])),
-    "ProfilerWindows": (ProfilerWindows, dict(every_n_steps=3, warmup=0, active=2, keep_traces=1)),
+    "ProfilerWindows": (ProfilerWindows, dict(every_n_steps=3, warmup=0, active=2, keep_traces=1, roofline=True)),
     "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], dynamic=False)),
 }
 
