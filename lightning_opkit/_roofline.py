@@ -356,7 +356,7 @@ def _op_work(key: str, cls: str, event: Any) -> tuple[float, float, str] | None:
     if cls in MODEL_FLOP_CLASSES:
         flops, out = _gemm_like(key, cls, event, tensors)
         return flops, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
-    touched = _gathered(key, tensors)
+    touched = _gathered(key, shapes, dtypes)
     if touched is not None:  # reads only the rows its indices pick, not the whole table
         return (_FLOPS_PER_ELEMENT.get(cls, 1.0) * touched, 2 * touched * itemsize + 8 * math.prod(tensors[-1]),
                 _dtype_name(dtypes))
@@ -364,15 +364,19 @@ def _op_work(key: str, cls: str, event: Any) -> tuple[float, float, str] | None:
     return _FLOPS_PER_ELEMENT.get(cls, 1.0) * out, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
 
 
-def _gathered(key: str, tensors: list[list[int]]) -> float | None:
-    """Elements a gather-like forward reads (an embedding's picked rows, a loss's picked logits); ``None`` else."""
+def _gathered(key: str, shapes: list[Any], dtypes: list[str]) -> float | None:
+    """Elements a gather-like op touches (an embedding's picked rows, a loss's picked logits); ``None`` else."""
     name = key.rsplit("::", 1)[-1]
+    tensors = [s for s in shapes if isinstance(s, list) and s and all(isinstance(d, int) for d in s)]
+    if name.startswith("nll_loss"):  # forward and backward read or write one logit per target
+        targets = [s for s, d in zip(shapes, dtypes) if d == "long int" and isinstance(s, list) and s]
+        return float(math.prod(targets[0])) if targets else None
     if len(tensors) < 2 or "backward" in name:
         return None
     if name in ("embedding", "index_select"):
         return math.prod(tensors[1]) * math.prod(tensors[0][1:])
-    if name in ("gather", "take") or name.startswith("nll_loss"):
-        return float(math.prod(tensors[1] if name.startswith("nll_loss") else tensors[-1]))
+    if name in ("gather", "take"):
+        return float(math.prod(tensors[-1]))
     return None
 
 

@@ -68,7 +68,9 @@ def write_layout(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter) 
         writer: its writer.
     """
     if is_first(trainer, callback) and writer.active:
-        writer.custom_scalars(LAYOUT)
+        # the roofline's charts only where a ProfilerWindows draws one: empty charts are clutter
+        roofline = any(getattr(c, "roofline", False) is True for c in _opkit_callbacks(trainer))
+        writer.custom_scalars({k: v for k, v in LAYOUT.items() if roofline or k != "opkit roofline"})
 
 
 def start_summary(callback: Any, trainer: pl.Trainer, writer: TensorBoardWriter) -> None:

@@ -129,6 +129,7 @@ class ProfilerWindows(OpkitCallback):
         #: the last window's roofline (``roofline=True``)
         self.last_roofline: RooflineReport | None = None
         self._link_gbps: float | None = None
+        self._roofline_off = False  # set when measuring failed in this fit
         self._blocks: list[str] = []
         self._window: Window | None = None
         self._trace_dir = ""
@@ -162,6 +163,7 @@ class ProfilerWindows(OpkitCallback):
         self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
         self._enabled = self.all_ranks or trainer.is_global_zero
         if self.roofline and stage == "fit":
+            self._roofline_off = False
             self._blocks = find_blocks(pl_module)
             self._link_gbps = measure_link(trainer.strategy.root_device)  # a collective: every rank, here
 
@@ -236,12 +238,8 @@ class ProfilerWindows(OpkitCallback):
                                         else peak_cpu_memory(window.prof))
         self.windows_done += 1
         self.last_report = report
-        if self.roofline:
-            self.last_roofline = build_report(
-                window.prof, report.steps, report.step_time_ms / 1e3, device=trainer.strategy.root_device,
-                communication_seconds=report.communication_us / 1e6,
-                exposed_communication_seconds=report.exposed_communication_us / 1e6, link_gbps=self._link_gbps,
-                blocks=self._blocks, cuda=window.uses_cuda)
+        if self.roofline and not self._roofline_off:
+            self._roofline_report(trainer, window, report)
         step = trainer.global_step
         export_s = None
         if self.export_trace:
@@ -253,6 +251,19 @@ class ProfilerWindows(OpkitCallback):
                               f" {self._trace_dir!r} ({type(err).__name__}: {err}); training goes on.", stacklevel=2)
                 self._scalars("opkit/profiler", {"export_errors": self.export_errors}, step)
         self._log(report, step, export_s, partial)
+
+    def _roofline_report(self, trainer: pl.Trainer, window: Window, report: WindowReport) -> None:
+        try:
+            self.last_roofline = build_report(
+                window.prof, report.steps, report.step_time_ms / 1e3, device=trainer.strategy.root_device,
+                communication_seconds=report.communication_us / 1e6,
+                exposed_communication_seconds=report.exposed_communication_us / 1e6, link_gbps=self._link_gbps,
+                blocks=self._blocks, cuda=window.uses_cuda)
+        except Exception as err:  # measuring the peaks can run out of memory beside the model: not worth the run
+            self._roofline_off = True
+            self.last_roofline = None
+            warnings.warn(f"ProfilerWindows: the roofline failed ({type(err).__name__}: {err}); it is off for the"
+                          " rest of this run, the windows go on.", stacklevel=2)
 
     def _export(self, trainer: pl.Trainer, window: Window, step: int) -> float:
         os.makedirs(self._trace_dir, exist_ok=True)
