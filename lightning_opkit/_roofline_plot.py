@@ -58,7 +58,15 @@ def _grid(draw: ImageDraw.ImageDraw, axes: _Axes, font: ImageFont.ImageFont) -> 
     draw.rectangle([(_LEFT, _TOP), (_W - _RIGHT, _H - _BOTTOM)], outline="black")
     draw.text(((_LEFT + _W - _RIGHT) / 2, _H - 22), "arithmetic intensity (FLOP / byte)", fill="black", font=font,
               anchor="mm")
-    draw.text((14, (_TOP + _H - _BOTTOM) / 2), "TFLOP/s", fill="black", font=font, anchor="lm")
+
+
+
+def _y_label(image: Image.Image, font: ImageFont.ImageFont) -> None:
+    # rotated, left of the tick labels, so the two never overlap
+    label = Image.new("RGB", (160, 18), "white")
+    ImageDraw.Draw(label).text((80, 9), "achieved TFLOP/s", fill="black", font=font, anchor="mm")
+    rotated = label.rotate(90, expand=True)
+    image.paste(rotated, (4, int((_TOP + _H - _BOTTOM) / 2 - rotated.height / 2)))
 
 
 def _roofs(draw: ImageDraw.ImageDraw, axes: _Axes, peaks: Peaks, font: ImageFont.ImageFont) -> None:
@@ -102,6 +110,7 @@ def roofline_image(rows: dict[str, ClassRoofline], peaks: Peaks, title: str) -> 
         return np.asarray(image)
     axes = _Axes(*_ranges(points, peaks))
     _grid(draw, axes, font)
+    _y_label(image, font)
     _roofs(draw, axes, peaks, font)
     legend_y = _TOP + 24 + 18 * len(peaks.gemm_tflops)
     for i, row in enumerate(sorted(points, key=lambda r: -r.seconds)):
