@@ -298,3 +298,28 @@ def test_attention_by_its_math_path_counts_its_gemms_as_matmul_and_is_told_so():
     report = RooflineReport(rows, peaks, steps=1, step_seconds=1.0)
     assert "no op of this class did work of its own" in report.lever(rows["attention"])
     assert report.worst().op_class != "attention"
+
+
+# ---- the dtype mix: each dtype's FLOPs against its own measured peak
+
+
+def test_mfu_charges_each_dtype_at_its_own_peak_under_a_precision_policy(tmp_path):
+    from lightning_opkit import PrecisionPolicy
+
+    model = build("torch_encoder")
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, check_speed=False)
+    windows = ProfilerWindows(every_n_steps=3, warmup=0, active=1, roofline=True, export_trace=False)
+    _fit(tmp_path, model, [policy, windows], steps=4)
+    roofline = windows.last_roofline
+    peaks = roofline.peaks
+    matmul = roofline.rows["matmul"]
+    assert matmul.dtype.startswith("bf16")  # the policy's GEMMs ran in bf16, and the roofline read it off the ops
+    assert matmul.flops_by_dtype["bf16"] > 0
+    flops = roofline.model_flops_by_dtype()
+    expected = 100 * sum(f / (peaks.gemm_tflops[d] * 1e12) for d, f in flops.items()) / roofline.step_seconds
+    assert roofline.mfu() == pytest.approx(expected)
+    assert roofline.mfu("fp32") == pytest.approx(100 * sum(flops.values()) / (peaks.gemm_tflops["fp32"] * 1e12)
+                                                 / roofline.step_seconds)
+    assert matmul.pct_peak(peaks) == pytest.approx(
+        100 * sum(f / (peaks.gemm_tflops[d] * 1e12) for d, f in matmul.flops_by_dtype.items()) / matmul.seconds)
+    assert "bf16" in texts_of(tmp_path)["opkit/profiler/roofline"][-1][1]
