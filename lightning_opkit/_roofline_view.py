@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_opkit._roofline import MODEL_FLOP_CLASSES, ClassRoofline, Peaks, class_rooflines, measure_peaks
+from lightning_opkit._peaks import Peaks, measure_peaks
+from lightning_opkit._roofline import MODEL_FLOP_CLASSES, ClassRoofline, class_rooflines
 from lightning_opkit._roofline_plot import roofline_image
 from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
 

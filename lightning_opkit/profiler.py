@@ -21,10 +21,10 @@ from typing_extensions import override
 
 from lightning_opkit._base import OpkitCallback
 from lightning_opkit._checks import check_bools, check_int
+from lightning_opkit._peaks import measure_link
 from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit._profile_window import Window, opens_window, window_phase
 from lightning_opkit._regions import find_blocks
-from lightning_opkit._roofline import measure_link
 from lightning_opkit._roofline_view import RooflineReport, build_report, log_roofline
 from lightning_opkit._roofline_view import summary_lines as roofline_summary
 from lightning_opkit._tensorboard import markdown_table, run_log_dir

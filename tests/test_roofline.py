@@ -14,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo import build
 
 from lightning_opkit import ProfilerWindows
-from lightning_opkit._roofline import class_rooflines, measure_peaks
+from lightning_opkit._peaks import measure_peaks
+from lightning_opkit._roofline import class_rooflines
 from lightning_opkit._roofline_view import RooflineReport
 
 
