@@ -271,7 +271,7 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
         cls = tree.cls(key)
         seconds = float(e.self_device_time_total if use_device else e.self_cpu_time_total) / 1e6
         if cls == "communication":
-            _add_communication(rows, e)
+            _add_communication(rows, e, tree)
             continue
         if cls in _NOT_WORK:
             continue
@@ -293,9 +293,9 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
     return {cls: row for cls, row in rows.items() if row.seconds or row.unknown_seconds or row.bytes}
 
 
-def _add_communication(rows: dict[str, ClassRoofline], event: Any) -> None:
+def _add_communication(rows: dict[str, ClassRoofline], event: Any, tree: _Tree) -> None:
     parent = event.cpu_parent
-    if parent is not None and classify_profiler_event(parent.key) == "communication":
+    if parent is not None and tree.cls(parent.key) == "communication":
         return  # gloo:all_reduce inside c10d::allreduce_: the outermost collective counts its bytes once
     moved = _bytes(list(event.input_shapes or []), list(getattr(event, "input_dtypes", None) or []))
     if moved:

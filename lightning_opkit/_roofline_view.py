@@ -97,6 +97,12 @@ def block_glob(blocks: list[str]) -> str | None:
     return f"{heads.pop()}.*" if len(heads) == 1 else blocks[0]
 
 
+def _compile_call(report: RooflineReport) -> str:
+    """The TorchCompile to suggest: over the model's repeated blocks where it has them."""
+    target = block_glob(report.blocks)
+    return f"TorchCompile(modules=['{target}'])" if target else "TorchCompile()"
+
+
 def _lower_precision(peaks: Peaks) -> tuple[str, float] | None:
     """The fastest 16-bit dtype whose measured GEMM peak beats fp32's by :data:`_FASTER`: ``(name, speedup)``."""
     fp32 = peaks.gemm_tflops.get("fp32", 0.0)
@@ -132,8 +138,7 @@ def _overhead_lever(row: ClassRoofline, report: RooflineReport, pct: float) -> s
     per_call = 1e6 * row.seconds / max(row.calls, 1)
     options = []
     if not report.compiled:
-        target = block_glob(report.blocks)
-        options.append(f"TorchCompile(modules=['{target}'])" if target else "TorchCompile()")
+        options.append(_compile_call(report))
     if report.cuda:
         options.append("CUDA graphs (TorchCompile(mode='reduce-overhead'))")
     options.append("a bigger batch")
@@ -171,10 +176,8 @@ def lever(row: ClassRoofline, report: RooflineReport) -> str:
 def _elementwise_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: float) -> str:
     peaks = report.peaks
     if kind == "memory" and not report.compiled:
-        target = block_glob(report.blocks)
-        where = f"TorchCompile(modules=['{target}'])" if target else "TorchCompile()"
         return (f"memory-bound at {row.pct_bandwidth(peaks):.0f}% of the measured bandwidth"
-                f" ({peaks.bandwidth_gbps:.1f} GB/s): fuse it with its neighbours: {where}")
+                f" ({peaks.bandwidth_gbps:.1f} GB/s): fuse it with its neighbours: {_compile_call(report)}")
     if kind == "memory":
         return (f"memory-bound at {row.pct_bandwidth(peaks):.0f}% of the measured bandwidth, after fusion: fewer"
                 " bytes (smaller activations) is what is left")
