@@ -23,11 +23,12 @@ from lightning_opkit._base import OpkitCallback
 from lightning_opkit._checks import check_bools, check_int
 from lightning_opkit._peaks import measure_link
 from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
+from lightning_opkit._profile_view import log_window
 from lightning_opkit._profile_window import Window, opens_window, window_phase
 from lightning_opkit._regions import find_blocks
-from lightning_opkit._roofline_view import RooflineReport, build_report, log_roofline
+from lightning_opkit._roofline_view import RooflineReport, build_report
 from lightning_opkit._roofline_view import summary_lines as roofline_summary
-from lightning_opkit._tensorboard import markdown_table, run_log_dir
+from lightning_opkit._tensorboard import run_log_dir
 
 __all__ = ["ProfilerWindows", "window_phase"]
 
@@ -250,7 +251,10 @@ class ProfilerWindows(OpkitCallback):
                 warnings.warn(f"ProfilerWindows: could not write the trace of the window at step {step} to"
                               f" {self._trace_dir!r} ({type(err).__name__}: {err}); training goes on.", stacklevel=2)
                 self._scalars("opkit/profiler", {"export_errors": self.export_errors}, step)
-        self._log(report, step, export_s, partial)
+        if self._writer is not None and self._writer.active:
+            log_window(self._writer, report, step, window_no=self.windows_done, partial=partial, export_s=export_s,
+                       with_flops=self.with_flops, top_k=self.top_k, charted=self._charted,
+                       roofline=self.last_roofline if self.roofline else None)
 
     def _roofline_report(self, trainer: pl.Trainer, window: Window, report: WindowReport) -> None:
         try:
@@ -278,69 +282,3 @@ class ProfilerWindows(OpkitCallback):
             if os.path.exists(old):
                 os.remove(old)
         return elapsed
-
-    # what gets logged where
-
-    def _log(self, report: WindowReport, step: int, export_s: float | None, partial: bool) -> None:
-        writer = self._writer
-        if writer is None or not writer.active:
-            return
-        seconds = report.step_time_ms * report.steps / 1e3
-        peak = report.peak_memory_bytes
-        writer.scalars("opkit/profiler", {
-            "windows": self.windows_done, "step_time_ms": report.step_time_ms, "profiled_steps": report.steps,
-            "framework_ms": report.framework_self_us / 1e3 / report.steps,
-            "peak_memory_mb": None if peak is None else peak / 2**20,
-            "gflops_per_s": report.flops / seconds / 1e9 if self.with_flops and seconds > 0 else None,
-            "export_s": export_s}, step)
-        if report.communication_us:
-            writer.scalars("opkit/profiler/communication", {
-                "ms": report.communication_us / 1e3 / report.steps,
-                "exposed_ms": report.exposed_communication_us / 1e3 / report.steps,
-                "exposed_percent": 100 * report.exposed_communication_us / 1e3 / report.steps
-                / max(report.step_time_ms, 1e-9)}, step)
-        percent = report.class_percent()
-        # A class is charted from the first window it ran in on (zeros after that keep its line whole); classes that
-        # never ran are not charted at all.
-        self._charted.update(cls for cls, us in report.class_self_us.items() if us > 0)
-        for cls, us in report.class_self_us.items():
-            if cls in self._charted:
-                writer.scalars(f"opkit/profiler/{cls}", {"self_ms": us / 1e3 / report.steps,
-                                                         "percent": percent[cls]}, step)
-        note = self._window_note(report, step, partial)
-        writer.text("opkit/profiler/top_ops", note + "\n\n" + self._top_ops_table(report), step)
-        writer.text("opkit/profiler/op_classes", note + "\n\n" + _class_table(report), step)
-        if self.roofline and self.last_roofline is not None:
-            title = f"Window {self.windows_done} (step {step})"
-            log_roofline(writer, self.last_roofline, note, title, step)
-        writer.flush()
-
-    def _window_note(self, report: WindowReport, step: int, partial: bool) -> str:
-        overhead = report.framework_self_us / (1e3 * report.steps)
-        return (f"Window {self.windows_done}: steps {step - report.steps + 1}-{step} ({report.steps} step(s)"
-                + (", cut short)" if partial else ")") + f"; framework / Python overhead (profiler step, optimizer"
-                f" step, data loading, compiled code's Python, compilation) {overhead:.3f} ms / step, not in the"
-                " shares")
-
-    def _top_ops_table(self, report: WindowReport) -> str:
-        total = report.total_self_us or 1.0
-        per_step = 1e3 * report.steps
-        headers = ["op", "class", "calls / step", "self ms / step", "total ms / step", "% self"] + (
-            ["GFLOP / step"] if self.with_flops else [])
-        rows = [[r.name, r.op_class, r.calls / report.steps, r.self_us / per_step, r.total_us / per_step,
-                 100 * r.self_us / total] + ([r.flops / 1e9 / report.steps] if self.with_flops else [])
-                for r in report.ops[: self.top_k]]
-        return markdown_table(headers, rows)
-
-
-def _class_table(report: WindowReport) -> str:
-    percent = report.class_percent()
-    per_step = 1e3 * report.steps
-    rows = [[cls, us / per_step, percent[cls]] for cls, us in
-            sorted(report.class_self_us.items(), key=lambda kv: -kv[1]) if us > 0]
-    text = markdown_table(["class", "self ms / step", "% self"], rows)
-    if report.region_total_us:
-        text += "\n\n**Compiled regions** (TorchCompile), total ms / step:\n\n" + markdown_table(
-            ["region", "total ms / step"], sorted(([name, us / per_step] for name, us in
-                                                   report.region_total_us.items()), key=lambda r: -r[1]))
-    return text
