@@ -49,8 +49,8 @@ def roofline_check() -> bool:
     """Check 9: the roofline tables and pictures of the example ViT and the zoo GPT-2 on this GPU."""
     from PIL import Image
 
-    from lightning_opkit._roofline_plot import roofline_image
-    from lightning_opkit._roofline_view import roofline_table
+    from lightning_opkit.profiler.roofline.plot import roofline_image
+    from lightning_opkit.profiler.roofline.view import roofline_table
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from zoo import build

@@ -31,9 +31,9 @@ from precision_width import MODELS, StepTimer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_opkit import ProfilerWindows  # noqa: E402
-from lightning_opkit._peaks import measure_peaks  # noqa: E402
-from lightning_opkit._roofline_plot import roofline_image  # noqa: E402
-from lightning_opkit._roofline_view import roofline_table, summary_lines  # noqa: E402
+from lightning_opkit.profiler.roofline.peaks import measure_peaks  # noqa: E402
+from lightning_opkit.profiler.roofline.plot import roofline_image  # noqa: E402
+from lightning_opkit.profiler.roofline.view import roofline_table, summary_lines  # noqa: E402
 
 
 def example_vit() -> pl.LightningModule:

@@ -8,7 +8,7 @@ from helpers import make_loader, read_events, snapshot, trainer
 from torch import nn
 
 from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, TorchCompile
-from lightning_opkit._select import glob_match
+from lightning_opkit.core.select import glob_match
 
 
 @torch._dynamo.register_backend(name="opkit_test_failing")

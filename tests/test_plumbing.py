@@ -7,9 +7,9 @@ from helpers import TinyNet, make_loader, read_events
 from torch import nn
 
 from examples.vit import TinyViT
-from lightning_opkit._patch import Patches
-from lightning_opkit._select import match_rule, resolve_modules
-from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.select import match_rule, resolve_modules
 
 
 class _Writes(pl.Callback):

@@ -9,8 +9,8 @@ from helpers import TinyNet, make_loader, read_events, snapshot, trainer
 
 from examples.vit import ViTClassifier
 from lightning_opkit import ProfilerWindows
-from lightning_opkit._profile_report import summarize
 from lightning_opkit.profiler import window_phase
+from lightning_opkit.profiler.report import summarize
 
 
 class ProfilerState(pl.Callback):
@@ -204,7 +204,7 @@ def test_epoch_end_cuts_a_window_and_the_next_epoch_opens_the_next(tmp_path):
 def test_one_schedule_drives_torch_profiler_as_torch_own_schedule_would(every, warmup, active):
     # The window's torch.profiler schedule is read off window_phase; it must be torch's own schedule(wait=0, warmup,
     # active, repeat=1), also when a window fills its whole period (the next one must not begin inside it).
-    from lightning_opkit._profile_window import _profiler_schedule
+    from lightning_opkit.profiler.session import _profiler_schedule
 
     ours = _profiler_schedule(every, warmup, active)
     torchs = torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1)

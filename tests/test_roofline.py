@@ -14,9 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo import build
 
 from lightning_opkit import ProfilerWindows
-from lightning_opkit._peaks import measure_peaks
-from lightning_opkit._roofline import class_rooflines
-from lightning_opkit._roofline_view import RooflineReport
+from lightning_opkit.profiler.roofline.peaks import measure_peaks
+from lightning_opkit.profiler.roofline.view import RooflineReport
+from lightning_opkit.profiler.roofline.work import class_rooflines
 
 
 def _profile(step):

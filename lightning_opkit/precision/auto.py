@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_opkit._replay import loss_of
-from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.core.logging import markdown_table
+from lightning_opkit.core.replay import loss_of
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
 from lightning_opkit.precision.decide import MIN_SPEEDUP, Decision, decide

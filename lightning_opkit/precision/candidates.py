@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.measure import Measurement, StepRunner, grad_cosine, loss_change

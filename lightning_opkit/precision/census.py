@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_opkit._ranks import local
-from lightning_opkit._replay import autocast_off, rng_state, set_rng_state
-from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.core.logging import markdown_table
+from lightning_opkit.core.ranks import local
+from lightning_opkit.core.replay import autocast_off, rng_state, set_rng_state
 from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
 
 # Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_opkit._checks import check_bools, check_fraction, check_int
+from lightning_opkit.core.checks import check_bools, check_fraction, check_int
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST
 

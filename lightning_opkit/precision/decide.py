@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from lightning_opkit._checks import check_fraction
+from lightning_opkit.core.checks import check_fraction
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.measure import Measurement, speed_phrase
 

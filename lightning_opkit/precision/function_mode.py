@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_opkit._replay import autocast_off, rng_state
-from lightning_opkit._suspend import _SUSPENDED
+from lightning_opkit.core.replay import autocast_off, rng_state
+from lightning_opkit.core.suspend import _SUSPENDED
 from lightning_opkit.opclass import OP_CLASSES, function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
 from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_opkit._patch import Patches
+from lightning_opkit.core.patch import Patches
 from lightning_opkit.precision.census import Census
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.function_mode import ModeState, PolicyMode

@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_opkit._patch import Patches
-from lightning_opkit._ranks import local
-from lightning_opkit._replay import autocast_off, loss_of, preserved, quiet_logging, replaying_scope, run_step
-from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.core.logging import markdown_table
+from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.ranks import local
+from lightning_opkit.core.replay import autocast_off, loss_of, preserved, quiet_logging, replaying_scope, run_step
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, describe_device

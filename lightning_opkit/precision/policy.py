@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_opkit._base import OpkitCallback
-from lightning_opkit._select import match_rule, resolve_modules
+from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.precision.auto import AutoPrecision, Plan
 from lightning_opkit.precision.candidates import StepChoice
 from lightning_opkit.precision.census import merge_rows

@@ -9,9 +9,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_opkit._patch import Patches
-from lightning_opkit._summary import end_summary, start_summary
-from lightning_opkit._tensorboard import TensorBoardWriter
+from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.summary import end_summary, start_summary
 
 __all__ = ["OpkitCallback"]
 

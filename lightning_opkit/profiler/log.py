@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_opkit._profile_report import WindowReport
-from lightning_opkit._roofline_view import RooflineReport, log_roofline
-from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.profiler.report import WindowReport
+from lightning_opkit.profiler.roofline.view import RooflineReport, log_roofline
 
 
 def log_window(writer: TensorBoardWriter, report: WindowReport, step: int, *, window_no: int, partial: bool,

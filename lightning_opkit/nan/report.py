@@ -53,7 +53,7 @@ class Origin:
 
 @dataclass(frozen=True)
 class Cause:
-    """Why the step went non-finite (see :mod:`lightning_opkit._nan_cause`), and what to try.
+    """Why the step went non-finite (see :mod:`lightning_opkit.nan.cause`), and what to try.
 
     Args:
         cause: ``"precision"``, ``"data_or_model"``, ``"transient"`` or ``"unknown"``.

@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_opkit._tensorboard import TensorBoardWriter
+from lightning_opkit.core.logging import TensorBoardWriter
 
 #: TensorBoard's Custom Scalars tab: one multiline chart per question, tags as regular expressions.
 LAYOUT: dict[str, dict[str, list[Any]]] = {

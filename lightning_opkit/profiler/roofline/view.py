@@ -1,9 +1,8 @@
 """A window's roofline as a reader sees it: step MFU, per-class rates and bounds, the lever, the table and summary.
 
-Trainer-free: built from :func:`~lightning_opkit._roofline.class_rooflines` and the measured
-:class:`~lightning_opkit._roofline.Peaks`. A lever is only suggested where a measurement supports it: a lower
-precision only where its GEMM peak was measured faster on this device, fusion only where the class is memory-bound
-and not fused already.
+Trainer-free: built from :func:`~.work.class_rooflines` and the measured :class:`~.peaks.Peaks`. A lever is only
+suggested where a measurement supports it: a lower precision only where its GEMM peak was measured faster on this
+device, fusion only where the class is memory-bound and not fused already.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_opkit._peaks import Peaks, measure_peaks
-from lightning_opkit._roofline import MODEL_FLOP_CLASSES, ClassRoofline, class_rooflines
-from lightning_opkit._roofline_plot import roofline_image
-from lightning_opkit._tensorboard import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
+from lightning_opkit.profiler.roofline.plot import roofline_image
+from lightning_opkit.profiler.roofline.work import MODEL_FLOP_CLASSES, ClassRoofline, class_rooflines
 
 __all__ = ["RooflineReport", "block_glob", "build_report", "lever", "log_roofline", "roofline_table",
            "summary_lines"]

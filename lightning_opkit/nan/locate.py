@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_opkit._nan_report import Origin
-from lightning_opkit._patch import Patches
-from lightning_opkit._ranks import local
-from lightning_opkit._replay import preserved, replay_backward, replaying_scope, reshard, set_rng_state
+from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.ranks import local
+from lightning_opkit.core.replay import preserved, replay_backward, replaying_scope, reshard, set_rng_state
+from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_function, classify_module
 
 
@@ -240,7 +240,7 @@ def replay(
 
 
 def describe(record: _Record, named: dict[str, nn.Module], phase: str, recorder: Recorder | None = None) -> Origin:
-    """The :class:`~lightning_opkit._nan_report.Origin` of a module (or parameter) record.
+    """The :class:`~lightning_opkit.nan.report.Origin` of a module (or parameter) record.
 
     Args:
         record: the origin found by a :class:`Recorder`.

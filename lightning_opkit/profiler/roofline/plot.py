@@ -11,8 +11,8 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from lightning_opkit._peaks import Peaks
-from lightning_opkit._roofline import ClassRoofline
+from lightning_opkit.profiler.roofline.peaks import Peaks
+from lightning_opkit.profiler.roofline.work import ClassRoofline
 
 __all__ = ["roofline_image"]
 
@@ -95,8 +95,8 @@ def roofline_image(rows: dict[str, ClassRoofline], peaks: Peaks, title: str) -> 
         title: drawn at the top (the window, the device).
 
     Example:
-        >>> from lightning_opkit._peaks import Peaks
-        >>> from lightning_opkit._roofline import ClassRoofline
+        >>> from lightning_opkit.profiler.roofline.peaks import Peaks
+        >>> from lightning_opkit.profiler.roofline.work import ClassRoofline
         >>> peaks = Peaks("cpu", {"fp32": 0.1}, 40.0)
         >>> row = ClassRoofline("matmul", {"fp32": 2e9}, bytes=1e7, seconds=0.04, calls=4)
         >>> roofline_image({"matmul": row}, peaks, "window 1").shape

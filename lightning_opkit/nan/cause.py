@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_opkit._nan_locate import floats
-from lightning_opkit._nan_report import Cause, Origin
-from lightning_opkit._replay import autocast_off_in, run_step, set_rng_state
+from lightning_opkit.core.replay import autocast_off_in, run_step, set_rng_state
+from lightning_opkit.nan.locate import floats
+from lightning_opkit.nan.report import Cause, Origin
 
 __all__ = ["diagnose"]
 
@@ -27,7 +27,7 @@ StepLoss = Callable[[bool], Callable[[], Tensor | None]]
 
 def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, named: dict[str, nn.Module],
              policies: list[Any], batch_idx: int, agree: Callable[[Any], Any] = lambda outcome: outcome) -> Cause:
-    """The :class:`~lightning_opkit._nan_report.Cause` of the fault ``found`` (a localization), from two replays.
+    """The :class:`~lightning_opkit.nan.report.Cause` of the fault ``found`` (a localization), from two replays.
 
     Args:
         step_loss: builds the replayed step's loss.

@@ -19,16 +19,16 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_opkit._base import OpkitCallback
-from lightning_opkit._checks import check_bools, check_int
-from lightning_opkit._peaks import measure_link
-from lightning_opkit._profile_report import WindowReport, peak_cpu_memory, summarize
-from lightning_opkit._profile_view import log_window
-from lightning_opkit._profile_window import Window, opens_window, window_phase
-from lightning_opkit._regions import find_blocks
-from lightning_opkit._roofline_view import RooflineReport, build_report
-from lightning_opkit._roofline_view import summary_lines as roofline_summary
-from lightning_opkit._tensorboard import run_log_dir
+from lightning_opkit.compile.regions import find_blocks
+from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.checks import check_bools, check_int
+from lightning_opkit.core.logging import run_log_dir
+from lightning_opkit.profiler.log import log_window
+from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
+from lightning_opkit.profiler.roofline.peaks import measure_link
+from lightning_opkit.profiler.roofline.view import RooflineReport, build_report
+from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
+from lightning_opkit.profiler.session import Window, opens_window, window_phase
 
 __all__ = ["ProfilerWindows", "window_phase"]
 

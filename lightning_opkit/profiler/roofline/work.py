@@ -1,9 +1,8 @@
 """Where each op class stands against this device: work per class, achieved rates and the bound.
 
 Trainer-free, over a stopped ``torch.profiler`` run with ``record_shapes=True`` and ``with_flops=True`` (the
-profiler's own GEMM and convolution counts), against the measured peaks of :mod:`lightning_opkit._peaks`.
-ProfilerWindows' ``roofline`` option logs it per window; the views (table, lever, picture) are in
-:mod:`lightning_opkit._roofline_view`.
+profiler's own GEMM and convolution counts), against the measured peaks of :mod:`~.peaks`. ProfilerWindows'
+``roofline`` option logs it per window; the views (table, lever, picture) are in :mod:`~.view`.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from typing import Any
 
 from torch.utils import flop_counter
 
-from lightning_opkit._peaks import Peaks
 from lightning_opkit.opclass import classify_profiler_event, fused_kernel_ops, is_framework_event
+from lightning_opkit.profiler.roofline.peaks import Peaks
 
 __all__ = ["MODEL_FLOP_CLASSES", "ClassRoofline", "class_rooflines"]
 

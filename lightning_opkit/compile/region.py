@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from lightning_opkit._compile_config import COMPILE_FAILURES
-from lightning_opkit._dynamo_watch import DynamoWatch
-from lightning_opkit._regions import Region, cache_entries, recompile_limit
-from lightning_opkit._replay import preserved
+from lightning_opkit.compile.config import COMPILE_FAILURES
+from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
+from lightning_opkit.compile.watch import DynamoWatch
+from lightning_opkit.core.replay import preserved
 
 __all__ = ["CompiledForward", "limit_message", "measure_speedup", "stance"]
 

@@ -1,7 +1,7 @@
 """This device's peaks, measured once per process: dense GEMM TFLOP/s per dtype, copy bandwidth, an all_reduce.
 
-The roofs :mod:`lightning_opkit._roofline` judges each op class against; on known GPUs the datasheet's figures sit
-beside the measured ones.
+The roofs :mod:`~lightning_opkit.profiler.roofline.work` judges each op class against; on known GPUs the
+datasheet's figures sit beside the measured ones.
 """
 
 from __future__ import annotations

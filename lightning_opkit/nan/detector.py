@@ -1,9 +1,9 @@
 """NaNDetector: find the first non-finite value in forward, backward or loss, name its module, lose nothing.
 
-The callback orchestrates Trainer-free parts: the per-step check (:mod:`~lightning_opkit._nan_check`), the step
-skipper and its per-batch state (:mod:`~lightning_opkit._nan_skip`: what happens on a skipped step), localization
-(:mod:`~lightning_opkit._nan_locate`), cause diagnosis (:mod:`~lightning_opkit._nan_cause`) and the typed report
-(:mod:`~lightning_opkit._nan_report`).
+The callback orchestrates Trainer-free parts: the per-step check (:mod:`~lightning_opkit.nan.check`), the step
+skipper and its per-batch state (:mod:`~lightning_opkit.nan.skip`: what happens on a skipped step), localization
+(:mod:`~lightning_opkit.nan.locate`), cause diagnosis (:mod:`~lightning_opkit.nan.cause`) and the typed report
+(:mod:`~lightning_opkit.nan.report`).
 
 Logged (rank zero): ``opkit/nan/events``, ``opkit/nan/skipped_steps``, ``opkit/nan/consecutive_skips`` (scalars, at
 each event and each epoch's end), ``opkit/nan/report`` (the report and its fields) and ``opkit/nan/cause`` (text).
@@ -22,17 +22,17 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_opkit._base import OpkitCallback
-from lightning_opkit._checks import check_bools, check_choice, check_globs, check_int
-from lightning_opkit._nan_cause import diagnose
-from lightning_opkit._nan_check import bad_gradient_shard, check_step
-from lightning_opkit._nan_locate import locate
-from lightning_opkit._nan_report import SHARD_ONLY, TRANSIENT, NaNReport, NonFiniteError, Origin, format_report
-from lightning_opkit._nan_skip import BatchState, StepSkipper
-from lightning_opkit._ranks import Ranks
-from lightning_opkit._replay import loss_of, quiet_logging, rng_state, set_rng_state
-from lightning_opkit._select import resolve_modules
-from lightning_opkit._tensorboard import markdown_table
+from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
+from lightning_opkit.core.logging import markdown_table
+from lightning_opkit.core.ranks import Ranks
+from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
+from lightning_opkit.core.select import resolve_modules
+from lightning_opkit.nan.cause import diagnose
+from lightning_opkit.nan.check import bad_gradient_shard, check_step
+from lightning_opkit.nan.locate import locate
+from lightning_opkit.nan.report import SHARD_ONLY, TRANSIENT, NaNReport, NonFiniteError, Origin, format_report
+from lightning_opkit.nan.skip import BatchState, StepSkipper
 from lightning_opkit.precision import PrecisionPolicy
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
@@ -251,7 +251,7 @@ class NaNDetector(OpkitCallback):
 
     def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch, origin: Origin,
                agree: Callable[[Any], Any]) -> Any:
-        """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit._nan_cause.diagnose`."""
+        """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit.nan.cause.diagnose`."""
         policies = [c for c in trainer.callbacks if isinstance(c, PrecisionPolicy)]  # type: ignore[attr-defined]
         return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
                         origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree)

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_opkit._nan_report import Origin
-from lightning_opkit._ranks import local
+from lightning_opkit.core.ranks import local
+from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_module
 
 __all__ = ["all_finite", "bad_gradient_shard", "check_step"]

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from lightning_opkit._checks import check_bools, check_choice, check_globs
-from lightning_opkit._suspend import suspending_backend
+from lightning_opkit.core.checks import check_bools, check_choice, check_globs
+from lightning_opkit.core.suspend import suspending_backend
 
 __all__ = ["COMPILE_FAILURES", "ON_RECOMPILE_LIMIT", "backends", "check_compile_args", "make_backend"]
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
-from lightning_opkit._patch import Patches
+from lightning_opkit.core.patch import Patches
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
 # A list, not a global int: read in place, and nested scopes count up and down.

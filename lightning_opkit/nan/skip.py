@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_opkit._patch import Patches
+from lightning_opkit.core.patch import Patches
 
 __all__ = ["BatchState", "StepSkipper"]
 

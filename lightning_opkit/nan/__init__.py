@@ -1,0 +1,16 @@
+"""Numerics faults: :class:`NaNDetector` over Trainer-free parts.
+
+How a checked step goes, file by file:
+
+- :mod:`.check`: the one cheap check per step (the loss and every gradient, one fused reduction, one host sync).
+- :mod:`.skip`: what happens on a skipped step (weights, optimizer state, LR schedule and buffers untouched).
+- :mod:`.locate`: the replay with per-module hooks that names where the first non-finite value came from.
+- :mod:`.cause`: the replays that tell precision from data or model faults from transient ones.
+- :mod:`.report`: the typed report (:class:`~.report.NaNReport`), its dict view and :class:`NonFiniteError`.
+- :mod:`.detector`: :class:`NaNDetector`, the Lightning callback that runs them in that order.
+"""
+
+from lightning_opkit.nan.detector import NaNDetector
+from lightning_opkit.nan.report import NonFiniteError, format_report
+
+__all__ = ["NaNDetector", "NonFiniteError", "format_report"]
