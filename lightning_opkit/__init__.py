@@ -1,9 +1,9 @@
 """lightning_opkit: PyTorch Lightning callbacks for operator-level training work."""
 
 from lightning_opkit.compile import TorchCompile
-from lightning_opkit.compile.regions import find_blocks, strip_compile_prefix
+from lightning_opkit.compile.checkpoints import strip_compile_prefix
 from lightning_opkit.core.replay import replaying
-from lightning_opkit.core.select import module_names
+from lightning_opkit.core.select import find_blocks, module_names
 from lightning_opkit.nan import NaNDetector, NonFiniteError
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
 from lightning_opkit.precision import PrecisionMeasurements, PrecisionPolicy, decide, measure_precision

@@ -19,6 +19,10 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "GEMM_CLASSES",
+    "GOVERNED",
+    "NEVER_CAST",
+    "NO_ARITHMETIC",
     "OP_CLASSES",
     "classify_function",
     "classify_module",
@@ -48,6 +52,19 @@ OP_CLASSES: tuple[str, ...] = (
     "communication",
     "other",
 )
+
+# The groups every callback reads the same way.
+
+#: classes whose ops are GEMMs: the work 16-bit units (Tensor Cores, AMX, AVX512-BF16) speed up, and the model's FLOPs
+#: in MFU (everything else is a rounding error beside them)
+GEMM_CLASSES: tuple[str, ...] = ("matmul", "conv", "attention", "rnn")
+#: classes that do no arithmetic of their own: dispatch, views and allocations, collectives
+NO_ARITHMETIC: tuple[str, ...] = ("other", "layout", "communication")
+#: classes a precision policy never casts: no arithmetic, and casts and copies (casting their input first would change
+#: what they produce)
+NEVER_CAST: tuple[str, ...] = ("other", "copy", "layout", "communication")
+#: the classes a precision policy decides the dtype of
+GOVERNED: tuple[str, ...] = tuple(c for c in OP_CLASSES if c not in NEVER_CAST)
 
 _NAMES: dict[str, tuple[str, ...]] = {
     # c10d, gloo and NCCL collectives and point-to-point ops, as torch.distributed, funcol and the profiler name them

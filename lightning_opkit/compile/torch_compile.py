@@ -23,12 +23,13 @@ import torch._inductor.config
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_opkit.compile.checkpoints import loading_old_checkpoints
 from lightning_opkit.compile.config import check_compile_args, make_backend
 from lightning_opkit.compile.region import CompiledForward, limit_message, nothing_compiled
-from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code, find_blocks, loading_old_checkpoints
+from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
-from lightning_opkit.core.select import resolve_modules
+from lightning_opkit.core.select import find_blocks, resolve_modules
 
 __all__ = ["TorchCompile"]
 
@@ -201,6 +202,16 @@ class TorchCompile(OpkitCallback):
             self._writer.text("opkit/compile/error", f"Compilation failed; training continues eagerly.\n\n"
                                                      f"```\n{err}\n```", trainer.global_step)
             self._writer.flush()
+
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """Compiles, graphs, breaks and recompiles; compile time; the steady step time."""
+        return {"opkit compile": {
+            "compiles, graphs, breaks, recompiles": ["Multiline", [r"opkit/compile/compiles", r"opkit/compile/graphs",
+                                                                   r"opkit/compile/graph_breaks",
+                                                                   r"opkit/compile/recompiles"]],
+            "compile time (s)": ["Multiline", [r"opkit/compile/compile_time_s"]],
+            "step time (ms)": ["Multiline", [r"opkit/compile/step_time_ms"]],
+        }}
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""

@@ -5,6 +5,8 @@ A detach runs at teardown, on an exception and at the next fit's setup; each of 
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -40,6 +42,10 @@ class OpkitCallback(Callback):
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
         raise NotImplementedError
+
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """This callback's charts in TensorBoard's Custom Scalars tab: category -> title -> ``["Multiline", tags]``."""
+        return {}
 
     def _open_writer(self, trainer: pl.Trainer, stage: str) -> TensorBoardWriter:
         """A fresh writer for this stage; at a fit's setup, also arm the run summary."""

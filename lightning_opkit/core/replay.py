@@ -16,11 +16,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
+from lightning_opkit.core.nesting import Nesting
 from lightning_opkit.core.patch import Patches
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
-# A list, not a global int: read in place, and nested scopes count up and down.
-_REPLAYING = [0]
+#: inside a re-run of the current training step (see :func:`replaying`)
+REPLAYING = Nesting()
 
 
 def replaying() -> bool:
@@ -35,17 +36,7 @@ def replaying() -> bool:
         >>> replaying()
         False
     """
-    return _REPLAYING[0] > 0
-
-
-@contextlib.contextmanager
-def replaying_scope() -> Iterator[None]:
-    """Inside, :func:`replaying` is true (nests)."""
-    _REPLAYING[0] += 1
-    try:
-        yield
-    finally:
-        _REPLAYING[0] -= 1
+    return bool(REPLAYING)
 
 
 def rng_state() -> tuple[Tensor, Any]:
@@ -194,7 +185,7 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
     """
     params = [p for p in model.parameters() if p.requires_grad]
     with preserved(model, rng=False), torch.compiler.set_stance("force_eager"), torch.enable_grad(), \
-            replaying_scope():
+            REPLAYING.scope():
         try:
             loss = compute_loss()
             grads: list[Tensor | None] = [None] * len(params)

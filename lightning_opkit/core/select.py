@@ -1,4 +1,4 @@
-"""Module-path patterns: globs over ``named_modules()`` names, matched one path component at a time."""
+"""Which modules: globs over ``named_modules()`` names (one path component at a time), and the repeated blocks."""
 
 from __future__ import annotations
 
@@ -137,3 +137,31 @@ def match_rule(name: str, rules: dict[str, str]) -> str | None:
         if glob_match(name, pattern) and (best is None or len(pattern) > best[0]):
             best = (len(pattern), value)
     return None if best is None else best[1]
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Paths of the repeated blocks of ``model``, the outermost such sets.
+
+    Blocks are the children of a ``ModuleList`` / ``Sequential`` whose children all share one class that has
+    submodules of its own (a block, not a leaf layer).
+
+    Args:
+        model: the model to search (the LightningModule, so paths match ``named_modules()`` there).
+
+    Example:
+        >>> from torch import nn
+        >>> block = lambda: nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([block(), block()]))
+        >>> find_blocks(net)
+        ['1.0', '1.1']
+    """
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        if any(name == f or name.startswith(f + ".") for f in found):
+            continue  # inside a block already chosen: the outermost set wins
+        kinds = {type(child) for child in module}
+        if len(kinds) == 1 and next(module[0].children(), None) is not None:
+            found.extend(f"{name}.{i}" if name else str(i) for i in range(len(module)))
+    return found

@@ -1,8 +1,8 @@
 """One run summary for all opkit callbacks of a Trainer, and one TensorBoard custom-scalars layout.
 
-Each callback contributes lines (``summary_lines()``); the first opkit callback in ``trainer.callbacks`` prints the
-summary on rank zero when fit ends or fails, writes it as the text tag ``opkit/summary``, and at setup writes the
-custom-scalars layout that groups every area's charts.
+Each callback contributes lines (``summary_lines()``) and charts (``layout()``); the first opkit callback in
+``trainer.callbacks`` prints the summary on rank zero when fit ends or fails, writes it as the text tag
+``opkit/summary``, and at setup writes the custom-scalars layout that groups every area's charts.
 """
 
 from __future__ import annotations
@@ -12,51 +12,33 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_opkit.core.kit import members
 from lightning_opkit.core.logging import TensorBoardWriter
-
-#: TensorBoard's Custom Scalars tab: one multiline chart per question, tags as regular expressions.
-LAYOUT: dict[str, dict[str, list[Any]]] = {
-    "opkit profiler": {
-        "op-class share of profiled self time (%)": ["Multiline", [r"opkit/profiler/[a-z]+/percent"]],
-        "op-class self time (ms / step)": ["Multiline", [r"opkit/profiler/[a-z]+/self_ms"]],
-        "step time (ms)": ["Multiline", [r"opkit/profiler/step_time_ms", r"opkit/compile/step_time_ms",
-                                         r"opkit/profiler/framework_ms"]],
-    },
-    "opkit roofline": {
-        "achieved TFLOP/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/tflops"]],
-        "achieved GB/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/gbps"]],
-        "% of the measured GEMM peak of its dtype": ["Multiline", [r"opkit/profiler/[a-z]+/pct_peak"]],
-        "% of the measured copy bandwidth": ["Multiline", [r"opkit/profiler/[a-z]+/pct_bandwidth"]],
-        "step MFU (%)": ["Multiline", [r"opkit/profiler/mfu", r"opkit/profiler/mfu_fp32", r"opkit/profiler/mfu_bf16"]],
-    },
-    "opkit precision": {
-        "16-bit output error vs fp32 recompute (relative)": ["Multiline", [r"opkit/precision/[a-z]+/rel_error"]],
-        "16-bit outputs lost to underflow (fraction)": ["Multiline", [r"opkit/precision/[a-z]+/underflow_frac"]],
-        "fp16 headroom to overflow (bits)": ["Multiline", [r"opkit/precision/[a-z]+/headroom_bits"]],
-        "calls per census step": ["Multiline", [r"opkit/precision/[a-z]+/calls"]],
-        "measurement time (s)": ["Multiline", [r"opkit/precision/measure_s"]],
-    },
-    "opkit nan": {
-        "non-finite events and skipped steps": ["Multiline", [r"opkit/nan/events", r"opkit/nan/skipped_steps",
-                                                              r"opkit/nan/consecutive_skips"]],
-    },
-    "opkit compile": {
-        "compiles, graphs, breaks, recompiles": ["Multiline", [r"opkit/compile/compiles", r"opkit/compile/graphs",
-                                                               r"opkit/compile/graph_breaks",
-                                                               r"opkit/compile/recompiles"]],
-        "compile time (s)": ["Multiline", [r"opkit/compile/compile_time_s"]],
-    },
-}
-
-
-def _opkit_callbacks(trainer: pl.Trainer) -> list[Any]:
-    return [c for c in trainer.callbacks if hasattr(c, "summary_lines")]  # type: ignore[attr-defined]
 
 
 def is_first(trainer: pl.Trainer, callback: Any) -> bool:
     """Whether ``callback`` is the first opkit callback of ``trainer`` (the one that writes shared things)."""
-    first = _opkit_callbacks(trainer)
+    first = members(trainer)
     return bool(first) and first[0] is callback
+
+
+def merged_layout(trainer: pl.Trainer) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout of every opkit callback of ``trainer``: each contributes its own categories.
+
+    A chart two callbacks both contribute (step time: the profiler's and the compiler's) shows every tag either names.
+
+    Example:
+        >>> merged_layout(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False))
+        {}
+    """
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for member in members(trainer):
+        for category, charts in member.layout().items():
+            into = layout.setdefault(category, {})
+            for title, (kind, tags) in charts.items():
+                known = into.setdefault(title, [kind, []])[1]
+                known.extend(t for t in tags if t not in known)
+    return layout
 
 
 def write_layout(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter) -> None:
@@ -68,9 +50,7 @@ def write_layout(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter) 
         writer: its writer.
     """
     if is_first(trainer, callback) and writer.active:
-        # the roofline's charts only where a ProfilerWindows draws one: empty charts are clutter
-        roofline = any(getattr(c, "roofline", False) is True for c in _opkit_callbacks(trainer))
-        writer.custom_scalars({k: v for k, v in LAYOUT.items() if roofline or k != "opkit roofline"})
+        writer.custom_scalars(merged_layout(trainer))
 
 
 def start_summary(callback: Any, trainer: pl.Trainer, writer: TensorBoardWriter) -> None:
@@ -121,7 +101,7 @@ def report(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter | None,
     lines = [f"opkit run summary ({ended}, global step {trainer.global_step})",
              f"  logs and traces: {log_dir}",
              f"  open them with:  tensorboard --logdir {shlex.quote(log_dir)}"]
-    for cb in _opkit_callbacks(trainer):
+    for cb in members(trainer):
         lines += [f"  {line}" for line in cb.summary_lines()]
     text = "\n".join(lines)
     print("\n" + text, flush=True)

@@ -4,37 +4,25 @@ Dynamo traces the precision policy's mode into each graph: the casts it decided 
 while the mode is still on the stack, and a backend that replays the graph through torch functions (the ``eager``
 backend's FX code, ``aot_autograd``'s retracing, Inductor's extern kernels) would meet the mode a second time, which
 decides again with the module stack of the moment, not the traced one: module overrides lost, dtypes mixed.
-``TorchCompile`` runs its backend's compilation and the compiled code inside :func:`suspended`.
+``TorchCompile`` runs its backend's compilation and the compiled code inside ``SUSPENDED.scope()``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-# A list, not a global int: the mode reads it in place on every op.
-_SUSPENDED = [0]
+from lightning_opkit.core.nesting import Nesting
 
+__all__ = ["SUSPENDED", "suspending_backend"]
 
-def is_suspended() -> bool:
-    """Whether opkit's modes pass every call through untouched right now."""
-    return _SUSPENDED[0] > 0
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """Inside, opkit's function modes pass every call through untouched (nests)."""
-    _SUSPENDED[0] += 1
-    try:
-        yield
-    finally:
-        _SUSPENDED[0] -= 1
+#: while true, opkit's function modes pass every call through untouched; they read ``SUSPENDED.depth`` on every op
+SUSPENDED = Nesting()
 
 
 def suspending_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a ``torch.compile`` backend so that its compilation and the code it returns run :func:`suspended`.
+    """Wrap a ``torch.compile`` backend: its compilation and the code it returns run inside ``SUSPENDED.scope()``.
 
     Args:
         backend: a backend callable ``(graph_module, example_inputs) -> compiled``.
@@ -47,12 +35,12 @@ def suspending_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def compile_graph(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        with suspended():
+        with SUSPENDED.scope():
             compiled = backend(gm, example_inputs, **kwargs)
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
-            with suspended():
+            with SUSPENDED.scope():
                 return compiled(*args)
 
         if getattr(compiled, "_boxed_call", False):

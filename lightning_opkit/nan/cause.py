@@ -15,7 +15,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_opkit.core.fp32 import fp32_inside
 from lightning_opkit.core.replay import autocast_off_in, run_step, set_rng_state
+from lightning_opkit.core.text import describe_error
 from lightning_opkit.nan.locate import floats
 from lightning_opkit.nan.report import Cause, Origin
 
@@ -65,8 +67,6 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Or
 
     Returns ``(fault there again?, why the replay failed or None)``.
     """
-    from lightning_opkit.precision.function_mode import fp32_inside
-
     set_rng_state(rng)
     compute_loss = step_loss(not (fp32 and culprit is None))
     outputs: list[Tensor] = []
@@ -84,9 +84,8 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Or
         try:
             loss, grads = run_step(model, compute_loss, backward=found.phase == "backward")
         except Exception as err:  # the step failing in a replay: the fault can be neither seen nor ruled out
-            first = (str(err).splitlines() or [""])[0][:160]
-            warnings.warn(f"NaNDetector: a cause replay failed ({type(err).__name__}: {first})", stacklevel=3)
-            return True, f"{type(err).__name__}: {first}"
+            warnings.warn(f"NaNDetector: a cause replay failed ({describe_error(err)})", stacklevel=3)
+            return True, describe_error(err)
     if found.phase == "forward" and culprit is not None:
         return not all(bool(t.isfinite().all()) for t in outputs), None
     if found.phase == "backward":

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.ranks import local
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_module
@@ -83,7 +84,7 @@ def bad_gradient_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
             continue
         path = name.rpartition(".")[0]
         module = named.get(path)
-        return Origin("backward", path, type(module).__name__ if module is not None else "-",
-                      classify_module(module) if module is not None else "other", name,
-                      str(grad.dtype).replace("torch.", ""), int(grad.isnan().sum()), int(grad.isinf().sum()))
+        return Origin(phase="backward", module=path, module_type=type(module).__name__ if module is not None else "-",
+                      op_class=classify_module(module) if module is not None else "other", parameter=name,
+                      dtype=full_name(grad.dtype), nan=int(grad.isnan().sum()), inf=int(grad.isinf().sum()))
     return None

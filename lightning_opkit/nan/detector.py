@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
+from lightning_opkit.core.kit import RunsModulesInDtype, offering
 from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.ranks import Ranks
 from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
@@ -31,9 +32,8 @@ from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import bad_gradient_shard, check_step
 from lightning_opkit.nan.locate import locate
-from lightning_opkit.nan.report import SHARD_ONLY, TRANSIENT, NaNReport, NonFiniteError, Origin, format_report
+from lightning_opkit.nan.report import SHARD_ONLY, TRANSIENT, Cause, NaNReport, NonFiniteError, Origin, format_report
 from lightning_opkit.nan.skip import BatchState, StepSkipper
-from lightning_opkit.precision import PrecisionPolicy
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
@@ -132,6 +132,11 @@ class NaNDetector(OpkitCallback):
         self.reports = [NaNReport.from_dict(e) for e in state_dict.get("events", [])]
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """One chart: events, skipped steps, consecutive skips."""
+        return {"opkit nan": {"non-finite events and skipped steps": [
+            "Multiline", [r"opkit/nan/events", r"opkit/nan/skipped_steps", r"opkit/nan/consecutive_skips"]]}}
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
@@ -235,9 +240,11 @@ class NaNDetector(OpkitCallback):
         if found:
             rank, origin = found[0]
             return self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank)
-        return self._new_report(trainer, batch_idx, Origin("loss" if loss_bad else "backward", None), TRANSIENT, 0)
+        unseen = Origin(phase="loss" if loss_bad else "backward", module=None)
+        return self._new_report(trainer, batch_idx, unseen, TRANSIENT, 0)
 
-    def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Any, rank: int) -> NaNReport:
+    def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
+                    rank: int) -> NaNReport:
         return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause, self.action)
 
     def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
@@ -250,9 +257,9 @@ class NaNDetector(OpkitCallback):
         return compute_loss
 
     def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch, origin: Origin,
-               agree: Callable[[Any], Any]) -> Any:
+               agree: Callable[[Any], Any]) -> Cause:
         """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit.nan.cause.diagnose`."""
-        policies = [c for c in trainer.callbacks if isinstance(c, PrecisionPolicy)]  # type: ignore[attr-defined]
+        policies = list(offering(trainer, RunsModulesInDtype))  # an attached precision policy runs it in fp32
         return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
                         origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree)
 

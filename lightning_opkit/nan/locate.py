@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.ranks import local
-from lightning_opkit.core.replay import preserved, replay_backward, replaying_scope, reshard, set_rng_state
+from lightning_opkit.core.replay import REPLAYING, preserved, replay_backward, reshard, set_rng_state
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_function, classify_module
 
@@ -159,7 +160,7 @@ class Recorder:
     def _forward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             outs = floats(output)
-            dtype = str(outs[0].dtype).replace("torch.", "") if outs else "-"
+            dtype = full_name(outs[0].dtype) if outs else "-"
             self.fwd.append(_Record("module", path, module, dtype, _stats(floats((args, kwargs)), masks_ok=True),
                                     _stats(outs, masks_ok=True)))
 
@@ -168,14 +169,14 @@ class Recorder:
     def _backward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
             gin = floats(grad_input)
-            dtype = str(gin[0].dtype).replace("torch.", "") if gin else "-"
+            dtype = full_name(gin[0].dtype) if gin else "-"
             self.bwd.append(_Record("module", path, module, dtype, _stats(floats(grad_output)), _stats(gin)))
 
         return hook
 
     def _param_hook(self, name: str, param: nn.Parameter) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
-            dtype = str(grad.dtype).replace("torch.", "")
+            dtype = full_name(grad.dtype)
             self.bwd.append(_Record("param", name, None, dtype, _stats([]), _stats([local(grad)])))
 
         return hook
@@ -227,7 +228,7 @@ def replay(
     recorder = Recorder(modules, params, forward=forward, backward=backward, module_backward=module_backward)
     loss: Tensor | None = None
     with preserved(model, rng=False), stance or contextlib.nullcontext(), recorder, recorder.ops, \
-            torch.enable_grad(), warnings.catch_warnings(), replaying_scope():
+            torch.enable_grad(), warnings.catch_warnings(), REPLAYING.scope():
         # Full backward hooks on the first layer warn that its inputs need no grad: expected here.
         warnings.simplefilter("ignore", UserWarning)
         try:
@@ -255,9 +256,10 @@ def describe(record: _Record, named: dict[str, nn.Module], phase: str, recorder:
         path, module, parameter = record.name, record.module, None
     op_class = recorder.op_class(module) if recorder is not None else (
         classify_module(module) if module is not None else "other")
-    return Origin(phase, path, type(module).__name__ if module is not None else "-", op_class, parameter,
-                  record.dtype, record.outputs.nan, record.outputs.inf, record.inputs.min, record.inputs.max,
-                  record.inputs.absmax)
+    return Origin(phase=phase, module=path, module_type=type(module).__name__ if module is not None else "-",
+                  op_class=op_class, parameter=parameter, dtype=record.dtype, nan=record.outputs.nan,
+                  inf=record.outputs.inf, input_min=record.inputs.min, input_max=record.inputs.max,
+                  input_absmax=record.inputs.absmax)
 
 
 def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any, *,
@@ -301,8 +303,9 @@ def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any
     if origin is not None:
         return dataclasses.replace(describe(origin, named, "forward", recorder), seq=recorder.fwd.index(origin))
     if replayed is not None and not bool(replayed.float().isfinite().all()) and (loss or not forward):
-        return Origin("loss", "", type(model).__name__, "loss", None, str(replayed.dtype).replace("torch.", ""),
-                      int(replayed.isnan().sum()), int(replayed.isinf().sum()), seq=len(recorder.fwd))
+        return Origin(phase="loss", module="", module_type=type(model).__name__, op_class="loss",
+                      dtype=full_name(replayed.dtype), nan=int(replayed.isnan().sum()),
+                      inf=int(replayed.isinf().sum()), seq=len(recorder.fwd))
     origin = recorder.backward_origin() if backward else None
     if origin is None:
         return None

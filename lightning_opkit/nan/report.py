@@ -87,7 +87,8 @@ class NaNReport:
         action: the detector's action.
 
     Example:
-        >>> report = NaNReport(3, 0, 3, 0, Origin("loss", "", "Net", "loss", nan=1), action="skip")
+        >>> report = NaNReport(3, 0, 3, 0, Origin(phase="loss", module="", module_type="Net", op_class="loss", nan=1),
+        ...                    action="skip")
         >>> report.as_dict()["module_type"], NaNReport.from_dict(report.as_dict()) == report
         ('Net', True)
     """
@@ -134,6 +135,10 @@ class NonFiniteError(RuntimeError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled across ranks and by multiprocessing: rebuilt from the report, not from the message.
         return type(self), (self.report,)
+
+
+# Pickles name the class by its public path, which stays when the files behind it move.
+NonFiniteError.__module__ = "lightning_opkit"
 
 
 def format_report(report: NaNReport | dict[str, Any]) -> str:

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_opkit.core.dtypes import cast, short_name
 from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.ranks import local
 from lightning_opkit.core.replay import autocast_off, rng_state, set_rng_state
-from lightning_opkit.precision.dtypes import LOW, cast, dtype_name
+from lightning_opkit.precision.dtypes import LOW
 
 # Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
 # temporary copy and the buffers would never change. They are cast for the op and the result is copied back.
@@ -148,7 +149,7 @@ class Census:
                 headroom = math.inf if peak == 0 else (-math.inf if not math.isfinite(peak) else math.log2(fmax / peak))
             checked = (cls, dtype, override) in self._checked and numel > 0
             rel = math.sqrt(err / ref2) if checked and ref2 > 0 else (0.0 if checked else None)
-            rows.append(CensusRow(cls, dtype_name(dtype), override, self.calls[(cls, dtype, override)], peak,
+            rows.append(CensusRow(cls, short_name(dtype), override, self.calls[(cls, dtype, override)], peak,
                                   headroom, rel, under / numel if checked else None))
         rows.sort(key=lambda r: (-(r.rel_error if r.rel_error is not None else -1.0), -r.calls, r.op_class))
         return rows

@@ -4,44 +4,27 @@ from __future__ import annotations
 
 import functools
 import platform
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
-from torch import Tensor
 
-from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.core.dtypes import BY_NAME, cast
+from lightning_opkit.opclass import GOVERNED, NEVER_CAST
 
 #: what the LightningCLI checks at parse time: a typo in a dtype or an op class fails there, naming the value
 DtypeName = Literal["fp32", "bf16", "fp16", "keep"]
 OpClassName = Literal["matmul", "conv", "attention", "norm", "softmax", "activation", "loss", "reduction", "pointwise",
                       "embedding", "rnn"]
 
-DTYPES: dict[str, torch.dtype | None] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                                         "keep": None}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items() if v is not None}
+#: the policy's dtype names -> dtype (``"keep"``: the op is left alone)
+DTYPES: dict[str, torch.dtype | None] = {**{n: BY_NAME[n] for n in ("fp32", "bf16", "fp16")}, "keep": None}
 LOW = (torch.bfloat16, torch.float16)
 
-#: op classes the policy never casts: shape and bookkeeping ops, and casts and copies (casting their input first
-#: would change what they produce).
-NEVER_CAST = ("other", "copy", "layout", "communication")
-GOVERNED = tuple(c for c in OP_CLASSES if c not in NEVER_CAST)
+__all__ = ["DTYPES", "GOVERNED", "LOW", "NEVER_CAST", "DtypeName", "OpClassName", "cast", "describe_device",
+           "hardware_note"]
+
 assert set(get_args(OpClassName)) == set(GOVERNED)
 assert set(get_args(DtypeName)) == set(DTYPES)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``"bf16"`` for ``torch.bfloat16``, and so on; torch's own name for other dtypes."""
-    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def cast(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with its floating tensors (alone or in a list/tuple of tensors) in ``dtype``."""
-    if isinstance(value, Tensor):
-        # ``to(dtype=...)`` parses fastest of the ``to`` forms: this runs for every argument of every governed op
-        return value.to(dtype=dtype) if value.dtype != dtype and value.is_floating_point() else value
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
-        return type(value)(cast(v, dtype) for v in value)
-    return value
 
 
 @functools.cache

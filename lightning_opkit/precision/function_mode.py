@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.replay import autocast_off, rng_state
-from lightning_opkit.core.suspend import _SUSPENDED
-from lightning_opkit.opclass import OP_CLASSES, function_info
+from lightning_opkit.core.suspend import SUSPENDED
+from lightning_opkit.opclass import function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
 from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
 
@@ -107,7 +107,7 @@ class PolicyMode(TorchFunctionMode):
             cls, inplace = _INFO[func]
         except (KeyError, TypeError):
             cls, inplace = policy_info(func)
-        if cls in _PASS or _SUSPENDED[0]:
+        if cls in _PASS or SUSPENDED.depth:
             return func(*args, **(kwargs or {}))
         state = self.state
         if state.census is not None:
@@ -145,7 +145,7 @@ class PolicyMode(TorchFunctionMode):
         """The general path: traced under compile, and eagerly for census steps and ops that update their args."""
         state = self.state
         cls, inplace = _traced_function_info(func)
-        if cls in NEVER_CAST or _SUSPENDED[0]:
+        if cls in NEVER_CAST or SUSPENDED.depth:
             return func(*args, **kwargs)
         stack = state.module_stack
         if state.autocast_devices and not stack and not torch.is_autocast_enabled(state.autocast_devices[0]):
@@ -205,6 +205,18 @@ def match_weight_dtype(module: torch.nn.Module, args: tuple) -> tuple | None:
     return (args[0].to(weight.dtype), *args[1:])
 
 
+def hold_rnn_input_casts(patches: Patches, model: torch.nn.Module) -> None:
+    """Every ``nn.LSTM``/``GRU``/``RNN`` of ``model`` gets :func:`match_weight_dtype` as its first pre-hook.
+
+    Args:
+        patches: where the hook handles are kept (restored by the owner).
+        model: the root module.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.RNNBase):
+            patches.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
+
+
 def keep_out_of_dynamo_frames() -> None:
     """Stop dynamo compiling the mode's ``__torch_function__`` as a frame of its own (it still inlines it)."""
     # Dynamo inlines the mode while tracing a compiled region, with ``func`` a constant of the call site. Between graph
@@ -214,21 +226,3 @@ def keep_out_of_dynamo_frames() -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(PolicyMode.__torch_function__.__code__)
-
-
-@contextlib.contextmanager
-def fp32_inside(module: torch.nn.Module) -> Iterator[None]:
-    """Inside, every op that ``module`` runs casts its floating inputs, its own weights included, to fp32.
-
-    For a replay with no :class:`PrecisionPolicy` attached (whose ``running_in`` does this): a module whose weights are
-    16-bit (``precision="16-true"``) cannot run in fp32 on fp32 inputs alone. Ops outside ``module`` run as written.
-    """
-    state = ModeState(dict.fromkeys(OP_CLASSES, "keep"))
-    handles = [module.register_forward_pre_hook(lambda m, a: state.module_stack.append(torch.float32)),
-               module.register_forward_hook(lambda m, a, o: state.module_stack.pop() and None, always_call=True)]
-    try:
-        with PolicyMode(state):
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()

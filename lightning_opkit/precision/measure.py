@@ -26,11 +26,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.ranks import local
-from lightning_opkit.core.replay import autocast_off, loss_of, preserved, quiet_logging, replaying_scope, run_step
+from lightning_opkit.core.replay import REPLAYING, autocast_off, loss_of, preserved, quiet_logging, run_step
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS, Census
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, describe_device
-from lightning_opkit.precision.function_mode import ModeState, PolicyMode, match_weight_dtype, policy_info
+from lightning_opkit.precision.function_mode import ModeState, PolicyMode, hold_rnn_input_casts, policy_info
 
 __all__ = ["Measurement", "PrecisionMeasurements", "measure_precision"]
 
@@ -300,12 +300,10 @@ class StepRunner:
         """Inside, :meth:`run` may be called any number of times; on exit the model is as it was."""
         model = self.model
         hooks = Patches()
-        for module in model.modules():
-            if isinstance(module, nn.RNNBase):
-                hooks.hold(module.register_forward_pre_hook(match_weight_dtype, prepend=True))
+        hold_rnn_input_casts(hooks, model)
         quiet = quiet_logging(model) if isinstance(model, pl.LightningModule) else contextlib.nullcontext()
         with contextlib.ExitStack() as cleanup, preserved(model) as reset, torch.compiler.set_stance("force_eager"), \
-                quiet, autocast_off(), replaying_scope():
+                quiet, autocast_off(), REPLAYING.scope():
             cleanup.callback(hooks.restore)
             self._reset = reset
             try:

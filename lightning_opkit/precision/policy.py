@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.precision.auto import AutoPrecision, Plan
 from lightning_opkit.precision.candidates import StepChoice
@@ -28,7 +29,7 @@ from lightning_opkit.precision.census import merge_rows
 from lightning_opkit.precision.config import DEFAULT_RULES, check_fp16, check_policy_args, initial_table
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, DtypeName, OpClassName
-from lightning_opkit.precision.function_mode import keep_out_of_dynamo_frames, match_weight_dtype
+from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.measure import OpLog, PrecisionMeasurements
 from lightning_opkit.precision.report import ASIDE, policy_markdown, summary_lines, write_census
@@ -172,6 +173,16 @@ class PrecisionPolicy(OpkitCallback):
     def _passthrough(self) -> bool:
         return self._governor.passthrough
 
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """The census charts (error, underflow, fp16 headroom, calls) and what measuring cost."""
+        return {"opkit precision": {
+            "16-bit output error vs fp32 recompute (relative)": ["Multiline", [r"opkit/precision/[a-z]+/rel_error"]],
+            "16-bit outputs lost to underflow (fraction)": ["Multiline", [r"opkit/precision/[a-z]+/underflow_frac"]],
+            "fp16 headroom to overflow (bits)": ["Multiline", [r"opkit/precision/[a-z]+/headroom_bits"]],
+            "calls per census step": ["Multiline", [r"opkit/precision/[a-z]+/calls"]],
+            "measurement time (s)": ["Multiline", [r"opkit/precision/measure_s"]],
+        }}
+
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
         return summary_lines(self.table, self.decisions, self.modules, self._governor.autocast, self._passthrough,
@@ -187,9 +198,7 @@ class PrecisionPolicy(OpkitCallback):
             check_fp16(self.table, [n for n, _ in matched if match_rule(n, self.modules) == "fp16"],
                        getattr(trainer.precision_plugin, "scaler", None) is not None, trainer.precision)
         keep_out_of_dynamo_frames()
-        for module in pl_module.modules():
-            if isinstance(module, torch.nn.RNNBase):
-                self._patches.hold(module.register_forward_pre_hook(match_weight_dtype))
+        hold_rnn_input_casts(self._patches, pl_module)
         for name, module in matched:
             self._governor.hold_override(self._patches, module, DTYPES[match_rule(name, self.modules)])  # type: ignore[index]
         for method in _STEP_METHODS:
@@ -262,7 +271,7 @@ class PrecisionPolicy(OpkitCallback):
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                             batch_idx: int) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
-        compiled = any(type(c).__name__ == "TorchCompile" for c in trainer.callbacks)  # type: ignore[attr-defined]
+        compiled = any(offering(trainer, CompilesRegions))
         plan = self._auto.measure_and_decide(
             pl_module, batch, self._originals["training_step"], batch_idx,
             dtypes=["bf16", "fp16"] if scaler else ["bf16"],  # fp16 only where a GradScaler scales the loss

@@ -19,10 +19,10 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_opkit.compile.regions import find_blocks
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_int
 from lightning_opkit.core.logging import run_log_dir
+from lightning_opkit.core.select import find_blocks
 from lightning_opkit.profiler.log import log_window
 from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit.profiler.roofline.peaks import measure_link
@@ -171,6 +171,24 @@ class ProfilerWindows(OpkitCallback):
     @override
     def _wind_down(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(trainer, partial=True)
+
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """The op-class charts, and the roofline's where this callback draws one (empty charts are clutter)."""
+        charts = {"opkit profiler": {
+            "op-class share of profiled self time (%)": ["Multiline", [r"opkit/profiler/[a-z]+/percent"]],
+            "op-class self time (ms / step)": ["Multiline", [r"opkit/profiler/[a-z]+/self_ms"]],
+            "step time (ms)": ["Multiline", [r"opkit/profiler/step_time_ms", r"opkit/profiler/framework_ms"]],
+        }}
+        if self.roofline:
+            charts["opkit roofline"] = {
+                "achieved TFLOP/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/tflops"]],
+                "achieved GB/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/gbps"]],
+                "% of the measured GEMM peak of its dtype": ["Multiline", [r"opkit/profiler/[a-z]+/pct_peak"]],
+                "% of the measured copy bandwidth": ["Multiline", [r"opkit/profiler/[a-z]+/pct_bandwidth"]],
+                "step MFU (%)": ["Multiline", [r"opkit/profiler/mfu", r"opkit/profiler/mfu_fp32",
+                                               r"opkit/profiler/mfu_bf16"]],
+            }
+        return charts
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""

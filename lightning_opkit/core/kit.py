@@ -1,0 +1,72 @@
+"""How an opkit callback finds the others on its Trainer: by what they offer, never by their class or name.
+
+Each offer is a small protocol; a callback offers it by having its members. Nothing here imports a feature package, so
+any callback can ask for any offer without importing the callback that makes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import lightning.pytorch as pl
+from torch import nn
+
+__all__ = ["CompilesRegions", "Member", "RunsModulesInDtype", "members", "offering"]
+
+
+@runtime_checkable
+class Member(Protocol):
+    """Every opkit callback: it contributes lines to the run summary and charts to the custom-scalars layout."""
+
+    def summary_lines(self) -> list[str]:
+        """Its lines of the run summary."""
+        ...
+
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """Its part of TensorBoard's custom-scalars layout: category -> chart title -> ``["Multiline", [regexes]]``."""
+        ...
+
+
+@runtime_checkable
+class RunsModulesInDtype(Protocol):
+    """Runs a module (or the whole step) in a dtype on request: a NaN cause replay's fp32 region goes through it."""
+
+    def running_in(self, module: nn.Module | None, dtype: Any) -> Any:
+        """A context inside which every op of ``module`` (``None``: the whole step) runs in ``dtype``."""
+        ...
+
+
+@runtime_checkable
+class CompilesRegions(Protocol):
+    """Compiles parts of the model (``compiled`` holds their paths): each table a policy tries would recompile."""
+
+    compiled: list[str]
+
+
+T = TypeVar("T")
+
+
+def members(trainer: pl.Trainer) -> list[Member]:
+    """The opkit callbacks of ``trainer``, in its order (the first one writes what is written once per run).
+
+    Example:
+        >>> members(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False))
+        []
+    """
+    return [c for c in trainer.callbacks if isinstance(c, Member)]  # type: ignore[attr-defined]
+
+
+def offering(trainer: pl.Trainer, offer: type[T]) -> Iterator[T]:
+    """The opkit callbacks of ``trainer`` that make ``offer`` (one of this module's protocols).
+
+    Args:
+        trainer: the trainer.
+        offer: the protocol.
+
+    Example:
+        >>> trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> list(offering(trainer, CompilesRegions))
+        []
+    """
+    return (c for c in members(trainer) if isinstance(c, offer))

@@ -1,0 +1,82 @@
+"""Time on the device's clock: a synchronization that is a no-op off CUDA, and N back-to-back calls timed.
+
+On a GPU, one op between two host synchronizations measures launch latency and the sync itself, not the kernel.
+Calls are timed back to back between two CUDA events instead, so the queue stays full and the figure is the device's
+time per call; on a CPU, between two reads of the host clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["best_seconds", "per_call_seconds", "sync"]
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for ``device``'s queued work (CUDA only; nothing elsewhere, and nothing before CUDA is initialized).
+
+    Args:
+        device: the device; ``None``: the current CUDA device, if CUDA is in use.
+
+    Example:
+        >>> sync("cpu")
+    """
+    if device is not None and torch.device(device).type != "cuda":
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+
+
+def per_call_seconds(fn: Callable[[], Any], device: torch.device | str, calls: int = 1) -> float:
+    """Seconds per call of ``fn``, over ``calls`` calls made back to back.
+
+    On CUDA the calls run between two CUDA events on the current stream (one synchronization at the end); elsewhere
+    between two reads of the host clock.
+
+    Args:
+        fn: what to time (its results are dropped).
+        device: where it runs.
+        calls: how many calls in a row.
+
+    Example:
+        >>> per_call_seconds(lambda: torch.ones(8) @ torch.ones(8), "cpu", calls=3) > 0
+        True
+    """
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - began) / calls
+
+
+def best_seconds(fn: Callable[[], Any], device: torch.device | str, reps: int = 3, calls: int = 1) -> float:
+    """The fastest of ``reps`` samples of :func:`per_call_seconds`, after one warm-up call.
+
+    Args:
+        fn: what to time.
+        device: where it runs.
+        reps: samples taken.
+        calls: back-to-back calls per sample.
+
+    Example:
+        >>> best_seconds(lambda: torch.ones(64, 64) @ torch.ones(64, 64), "cpu", reps=2) > 0
+        True
+    """
+    fn()
+    sync(device)
+    best = math.inf
+    for _ in range(reps):
+        best = min(best, per_call_seconds(fn, device, calls))
+    return best
