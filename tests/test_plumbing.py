@@ -7,9 +7,10 @@ from helpers import TinyNet, make_loader, read_events
 from torch import nn
 
 from examples.vit import TinyViT
-from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.select import match_rule, resolve_modules
+from lightning_opkit.core.text import markdown_table
 
 
 class _Writes(pl.Callback):

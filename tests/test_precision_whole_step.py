@@ -19,7 +19,8 @@ from lightning_opkit.precision.candidates import (
     choose_table,
     first_rows,
 )
-from lightning_opkit.precision.measure import StepRunner, record_ops, time_classes
+from lightning_opkit.precision.op_timing import time_classes
+from lightning_opkit.precision.runner import StepRunner, record_ops
 from lightning_opkit.precision.trials import Trials
 
 BF, FP = torch.bfloat16, torch.float32
@@ -361,7 +362,7 @@ def test_a_re_measurement_during_the_trials_ends_the_trial_step_in_progress():
     # measure_every_n_steps can re-measure while the last measurement's contenders are still on trial: the step begun
     # for one of them must not be booked to the new trials, whose contenders may be others (a KeyError before).
     from lightning_opkit.precision.auto import AutoPrecision
-    from lightning_opkit.precision.measure import PrecisionMeasurements
+    from lightning_opkit.precision.results import PrecisionMeasurements
 
     auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_rounds=2)
     names = iter([("a", "b"), ("c", "d")])

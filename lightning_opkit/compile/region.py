@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from lightning_opkit.compile.config import COMPILE_FAILURES
 from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
 from lightning_opkit.compile.watch import DynamoWatch
 from lightning_opkit.core.replay import preserved
+from lightning_opkit.core.timing import per_call_seconds, sync
 
 __all__ = ["CompiledForward", "limit_message", "measure_speedup", "stance"]
 
@@ -33,24 +33,20 @@ def stance() -> str:
 
 
 def measure_speedup(module: torch.nn.Module, original: Callable[..., Any], compiled: Callable[..., Any],
-                    args: tuple, kwargs: dict, repeats: int = 3) -> float:
+                    args: tuple, kwargs: dict, repeats: int = 3, calls: int = 2) -> float:
     """Eager time over compiled time of ``module``'s forward on these inputs (median of ``repeats`` each).
 
     Extra calls on the step's own inputs: buffers (BatchNorm statistics), metric states and every RNG are put back
-    afterwards and the outputs dropped, so training goes on as if they never ran.
+    afterwards and the outputs dropped, so training goes on as if they never ran. Each sample is ``calls`` calls back to
+    back (on CUDA between two events), eager and compiled interleaved.
     """
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
     times: dict[bool, list[float]] = {False: [], True: []}
     with preserved(module):
+        sync(device)
         for _ in range(repeats):
             for is_compiled, fn in ((False, original), (True, compiled)):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn(*args, **kwargs)
-                if cuda:
-                    torch.cuda.synchronize()
-                times[is_compiled].append(time.perf_counter() - t0)
+                times[is_compiled].append(per_call_seconds(lambda fn=fn: fn(*args, **kwargs), device, calls))
     return statistics.median(times[False]) / max(statistics.median(times[True]), 1e-9)
 
 

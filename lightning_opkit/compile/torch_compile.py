@@ -30,6 +30,7 @@ from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_cod
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.select import find_blocks, resolve_modules
+from lightning_opkit.core.text import describe_error
 
 __all__ = ["TorchCompile"]
 
@@ -193,8 +194,7 @@ class TorchCompile(OpkitCallback):
         warnings.warn(text, stacklevel=3)
 
     def _fall_back(self, trainer: pl.Trainer, err: BaseException) -> None:
-        head = str(err).strip().split("\n\n")[0]  # dynamo appends pages of debugging hints after a blank line
-        self.error = f"{type(err).__name__}: {' '.join(head.split())}"
+        self.error = describe_error(err, limit=None)
         self._patches.restore()  # every compiled region goes back to eager, once
         warnings.warn(f"TorchCompile: compilation failed, training continues eagerly. {self.error}", stacklevel=4)
         if self._writer is not None:

@@ -9,7 +9,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-__all__ = ["TensorBoardWriter", "markdown_table", "run_log_dir"]
+from lightning_opkit.core.text import markdown_table
+
+__all__ = ["TensorBoardWriter", "run_log_dir"]
 
 
 def run_log_dir(trainer: pl.Trainer) -> str:
@@ -26,37 +28,6 @@ def run_log_dir(trainer: pl.Trainer) -> str:
         if isinstance(logger, TensorBoardLogger):
             return logger.log_dir
     return trainer.log_dir or trainer.default_root_dir
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Render a markdown table, as TensorBoard's text plugin shows it.
-
-    Args:
-        headers: column names.
-        rows: one sequence of cells per row; floats in fixed point with three decimals (never ``1.372e+04``).
-
-    Example:
-        >>> print(markdown_table(["a", "b"], [[1, 13720.5]]))
-        | a | b |
-        |---|---|
-        | 1 | 13720.500 |
-    """
-
-    def cell(value: Any) -> str:
-        text = _fixed(value) if isinstance(value, float) else str(value)
-        return text.replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _fixed(value: float) -> str:
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
-    if value == 0 or abs(value) >= 1e-3:
-        return f"{value:.3f}"
-    return f"{value:.1e}"  # below a thousandth, three decimals would read as zero
 
 
 class TensorBoardWriter:

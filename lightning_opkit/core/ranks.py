@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["Ranks", "local"]
+__all__ = ["Ranks", "local", "local_floats"]
 
 
 def local(tensor: Any) -> Any:
@@ -28,6 +29,19 @@ def local(tensor: Any) -> Any:
     """
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
+
+
+def local_floats(value: Any) -> list[torch.Tensor]:
+    """The non-empty floating tensors anywhere in ``value`` (nested lists, tuples, dicts), in order, by :func:`local`.
+
+    What a check or a census reads of an op's or a module's outputs: each rank judges the shard it holds.
+
+    Example:
+        >>> local_floats((torch.ones(2), [torch.arange(3), {"x": torch.zeros(1)}], torch.empty(0)))
+        [tensor([1., 1.]), tensor([0.])]
+    """
+    leaves = (local(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return [t for t in leaves if t.is_floating_point() and t.numel()]
 
 
 class Ranks:

@@ -16,9 +16,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_opkit.core.fp32 import fp32_inside
+from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import autocast_off_in, run_step, set_rng_state
 from lightning_opkit.core.text import describe_error
-from lightning_opkit.nan.locate import floats
 from lightning_opkit.nan.report import Cause, Origin
 
 __all__ = ["diagnose"]
@@ -73,7 +73,7 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Or
     with contextlib.ExitStack() as stack:
         if culprit is not None and found.phase == "forward":
             # First of its forward hooks: it sees the fp32 outputs before they are cast back for the next modules.
-            handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(floats(out)), prepend=True)
+            handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(local_floats(out)), prepend=True)
             stack.callback(handle.remove)
         if fp32:
             for policy in policies:

@@ -25,10 +25,10 @@ from typing_extensions import override
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
 from lightning_opkit.core.kit import RunsModulesInDtype, offering
-from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.ranks import Ranks
 from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
+from lightning_opkit.core.text import markdown_table
 from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import bad_gradient_shard, check_step
 from lightning_opkit.nan.locate import locate

@@ -18,21 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.patch import Patches
-from lightning_opkit.core.ranks import local
+from lightning_opkit.core.ranks import local, local_floats
 from lightning_opkit.core.replay import REPLAYING, preserved, replay_backward, reshard, set_rng_state
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_function, classify_module
-
-
-def floats(value: Any) -> list[Tensor]:
-    """The non-empty floating tensors anywhere in ``value`` (nested lists, tuples, dicts), in order."""
-    # A DTensor (tensor parallel) by its local shard: each rank judges what it holds.
-    leaves = (local(t) for t in tree_leaves(value) if isinstance(t, Tensor))
-    return [t for t in leaves if t.is_floating_point() and t.numel()]
 
 
 @dataclass(frozen=True)
@@ -159,18 +151,18 @@ class Recorder:
 
     def _forward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            outs = floats(output)
+            outs = local_floats(output)
             dtype = full_name(outs[0].dtype) if outs else "-"
-            self.fwd.append(_Record("module", path, module, dtype, _stats(floats((args, kwargs)), masks_ok=True),
+            self.fwd.append(_Record("module", path, module, dtype, _stats(local_floats((args, kwargs)), masks_ok=True),
                                     _stats(outs, masks_ok=True)))
 
         return hook
 
     def _backward_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            gin = floats(grad_input)
+            gin = local_floats(grad_input)
             dtype = full_name(gin[0].dtype) if gin else "-"
-            self.bwd.append(_Record("module", path, module, dtype, _stats(floats(grad_output)), _stats(gin)))
+            self.bwd.append(_Record("module", path, module, dtype, _stats(local_floats(grad_output)), _stats(gin)))
 
         return hook
 

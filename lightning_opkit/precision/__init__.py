@@ -7,8 +7,9 @@
 """
 
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision, decide
-from lightning_opkit.precision.measure import Measurement, PrecisionMeasurements, measure_precision
+from lightning_opkit.precision.measure import measure_precision
 from lightning_opkit.precision.policy import DEFAULT_RULES, PrecisionPolicy
+from lightning_opkit.precision.results import Measurement, PrecisionMeasurements
 
 __all__ = ["DEFAULT_RULES", "DEFAULT_TOLERANCE", "Decision", "Measurement", "PrecisionMeasurements",
            "PrecisionPolicy", "decide", "measure_precision"]

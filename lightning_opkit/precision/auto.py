@@ -16,12 +16,15 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.replay import loss_of
+from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.timing import sync
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
 from lightning_opkit.precision.decide import MIN_SPEEDUP, Decision, decide
-from lightning_opkit.precision.measure import Measurement, PrecisionMeasurements, StepRunner, measure_precision
+from lightning_opkit.precision.measure import measure_precision
+from lightning_opkit.precision.results import Measurement, PrecisionMeasurements
+from lightning_opkit.precision.runner import StepRunner
 from lightning_opkit.precision.trials import Trials
 
 __all__ = ["AutoPrecision", "Plan"]
@@ -177,7 +180,7 @@ class AutoPrecision:
             return None
         name = self._trials.next()
         plan = self.plan_for(name)
-        _sync(device)
+        sync(device)  # a whole training step: its kernels' time, not their launch
         self._trial_step = (name, time.perf_counter())
         return plan
 
@@ -187,7 +190,7 @@ class AutoPrecision:
         self._trial_step = None
         if trials is None or taken is None or self.choice is None:
             return None
-        _sync(device)
+        sync(device)  # a whole training step: its kernels' time, not their launch
         trials.add(taken[0], 1e3 * (time.perf_counter() - taken[1]))
         if not trials.done:
             return None
@@ -236,9 +239,3 @@ def _loss_fn(training_step: Callable[..., Any], batch_idx: int) -> Callable[[tor
         return loss
 
     return loss_fn
-
-
-def _sync(device: torch.device) -> None:
-    # Trial steps only: a CUDA step's time is its kernels', not their launch.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

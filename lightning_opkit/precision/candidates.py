@@ -19,24 +19,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_opkit.core.logging import markdown_table
-from lightning_opkit.opclass import OP_CLASSES
+from lightning_opkit.core.text import describe_error, markdown_table
+from lightning_opkit.core.timing import sync
+from lightning_opkit.opclass import GEMM_CLASSES, OP_CLASSES
+from lightning_opkit.precision.decide import TIE
 from lightning_opkit.precision.dtypes import DTYPES
-from lightning_opkit.precision.measure import Measurement, StepRunner, grad_cosine, loss_change
+from lightning_opkit.precision.results import Measurement
+from lightning_opkit.precision.runner import StepRunner, device_of, grad_cosine, loss_change
 
-__all__ = ["GEMM_CLASSES", "SENSITIVE_CLASSES", "StepChoice", "TableRun", "candidate_tables", "choose_table",
+__all__ = ["SENSITIVE_CLASSES", "StepChoice", "TableRun", "candidate_tables", "choose_table",
            "first_rows"]
 
-#: classes whose ops are GEMMs: the ones 16-bit units (Tensor Cores, AMX, AVX512-BF16) speed up
-GEMM_CLASSES = ("matmul", "conv", "attention", "rnn")
 #: classes kept in fp32 by every candidate but the per-class pick: variances, exponents, large sums
 SENSITIVE_CLASSES = ("norm", "softmax", "loss", "reduction")
-#: tables within this fraction of the fastest are a tie (run-to-run noise); the one closest to fp32 wins it
-TIE = 0.02
 #: a table predicted this many times slower than the fastest (from per-class timings) is not run at all
 _PREDICTED_SLOWER = 1.3
 #: after the first timing, tables this many times slower than the fastest are not timed again
@@ -242,16 +240,16 @@ def _predicted(table: dict[str, str], speeds: dict[tuple[str, str], Measurement]
 def _timed_run(runner: StepRunner, run: TableRun,
                ref: tuple[Tensor, list[Tensor | None]] | None) -> tuple[Tensor, list[Tensor | None]] | None:
     """Run ``run``'s table once, add a time sample and (against ``ref``) its errors; the loss and grads, or ``None``."""
-    device = next((p.device for p in runner.model.parameters()), torch.device("cpu"))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device = device_of(runner.model)
     autocast = DTYPES[run.autocast] if run.autocast is not None else None
     try:
-        sync()
+        # A whole step between two synchronizations: its kernels' time dwarfs the sync's on any device.
+        sync(device)
         began = time.perf_counter()
         loss, grads = runner.run(None if autocast is not None else run.table, autocast=autocast)
-        sync()
+        sync(device)
     except Exception as err:  # a table with no kernel for some op on this device
-        run.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
+        run.failed = describe_error(err, 100)
         return None
     run.samples.append(1e3 * (time.perf_counter() - began))
     run.ms = min(run.samples)

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_opkit.core.dtypes import cast, short_name
-from lightning_opkit.core.logging import markdown_table
-from lightning_opkit.core.ranks import local
+from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import autocast_off, rng_state, set_rng_state
+from lightning_opkit.core.text import markdown_table
 from lightning_opkit.precision.dtypes import LOW
 
 # Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
@@ -25,12 +25,6 @@ UPDATED_ARGS: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {
     torch.batch_norm: ((3, 4), ("running_mean", "running_var")),
     torch.instance_norm: ((3, 4), ("running_mean", "running_var")),
 }
-
-
-def _floats(out: Any) -> list[Tensor]:
-    items = out if isinstance(out, (list, tuple)) else (out,)
-    # A DTensor (tensor parallel) by its local shard: its statistics would be collectives of mixed partials.
-    return [t for t in (local(i) for i in items if isinstance(i, Tensor)) if t.is_floating_point() and t.numel()]
 
 
 def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict, rng: tuple[Tensor, Any]) -> Any:
@@ -99,7 +93,7 @@ class Census:
 
     def wants_reference(self, out: Any) -> bool:
         """Whether an fp32 recompute of the op that produced ``out`` would add anything (a 16-bit output)."""
-        return any(t.dtype in LOW for t in _floats(out))
+        return any(t.dtype in LOW for t in local_floats(out))
 
     def record(self, cls: str, out: Any, override: bool, ref: Any = None) -> None:
         """Count one op's output; with ``ref`` (its fp32 recompute), also its error and underflow.
@@ -110,8 +104,8 @@ class Census:
             override: whether a module override, not the class rule, decided its dtype.
             ref: the fp32 recompute of the op, or ``None``.
         """
-        refs = _floats(ref) if ref is not None else []
-        for i, t in enumerate(_floats(out)):
+        refs = local_floats(ref) if ref is not None else []
+        for i, t in enumerate(local_floats(out)):
             key = (cls, t.dtype, override)
             self.calls[key] = self.calls.get(key, 0) + 1
             t = t.detach()

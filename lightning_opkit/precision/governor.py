@@ -17,7 +17,7 @@ from lightning_opkit.core.patch import Patches
 from lightning_opkit.precision.census import Census
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.function_mode import ModeState, PolicyMode
-from lightning_opkit.precision.measure import OpLog
+from lightning_opkit.precision.oplog import OpLog
 
 __all__ = ["StepGovernor"]
 

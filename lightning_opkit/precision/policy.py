@@ -31,8 +31,9 @@ from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, DtypeName, OpClassName
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
-from lightning_opkit.precision.measure import OpLog, PrecisionMeasurements
+from lightning_opkit.precision.oplog import OpLog
 from lightning_opkit.precision.report import ASIDE, policy_markdown, summary_lines, write_census
+from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]

@@ -6,7 +6,8 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.text import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow
 from lightning_opkit.precision.decide import Decision

@@ -9,7 +9,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_opkit.precision.decide import MIN_SPEEDUP
 from lightning_opkit.precision.dtypes import GOVERNED, describe_device, hardware_note
-from lightning_opkit.precision.measure import OpLog, PrecisionMeasurements, speed_phrase, time_classes
+from lightning_opkit.precision.op_timing import time_classes
+from lightning_opkit.precision.oplog import OpLog
+from lightning_opkit.precision.results import PrecisionMeasurements, speed_phrase
 
 __all__ = ["check_speed", "lowered"]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_opkit.precision.decide import TIE
+
 __all__ = ["Trials"]
 
-#: trial steps are timed within this fraction of each other as a tie: the sub-batch choice stays
-TIE = 0.02
 
 
 @dataclass

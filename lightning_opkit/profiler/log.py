@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.text import markdown_table
 from lightning_opkit.profiler.report import WindowReport
 from lightning_opkit.profiler.roofline.view import RooflineReport, log_roofline
 

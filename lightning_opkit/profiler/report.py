@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_opkit.opclass import OP_CLASSES, classify_profiler_event, is_framework_event
+from lightning_opkit.opclass import NO_ARITHMETIC, OP_CLASSES, classify_profiler_event, is_framework_event
 
 
 @dataclass
@@ -95,9 +95,6 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
     )
 
 
-_NOT_COMPUTE = ("communication", "other", "layout")
-
-
 def communication_time(prof: Any) -> tuple[float, float]:
     """``(communication, exposed communication)`` wall time of a window, in microseconds.
 
@@ -118,7 +115,7 @@ def communication_time(prof: Any) -> tuple[float, float]:
         span = (float(e.time_range.start), float(e.time_range.end))
         if cls == "communication":
             comm.append(span)
-        elif cls not in _NOT_COMPUTE:
+        elif cls not in NO_ARITHMETIC:
             compute.append(span)
     comm, compute = _union(comm), _union(compute)
     total = sum(b - a for a, b in comm)

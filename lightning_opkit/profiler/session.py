@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lightning_opkit.core.timing import sync
+
 __all__ = ["Window", "opens_window", "window_phase"]
 
 
@@ -116,13 +118,13 @@ class Window:
     def begin_batch(self, phase: str) -> None:
         """Start timing the batch when it is recorded."""
         if phase == "active":
-            _sync()
+            sync()
             self.batch_t0 = time.perf_counter()
 
     def end_batch(self) -> None:
         """Time the batch (if recorded) and step the profiler; the last batch of a window stops it."""
         if self.batch_t0 is not None:
-            _sync()
+            sync()
             self.step_times.append(time.perf_counter() - self.batch_t0)
             self.batch_t0 = None
         with warnings.catch_warnings(), quiet_stderr():
@@ -161,8 +163,3 @@ def quiet_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()

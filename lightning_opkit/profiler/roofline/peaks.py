@@ -6,32 +6,68 @@ datasheet's figures sit beside the measured ones.
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Peaks", "datasheet_peaks", "measure_link", "measure_peaks"]
+from lightning_opkit.core.dtypes import BY_NAME
+from lightning_opkit.core.timing import best_seconds
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-_PEAKS: dict[tuple[str, str], tuple[float, int]] = {}
+__all__ = ["Peaks", "datasheet", "datasheet_peaks", "measure_link", "measure_peaks", "tf32_matmuls"]
+
+# (device, size asked, dtype, TF32 allowed) -> (TFLOP/s, size): a later change of the fp32 matmul precision is a new
+# peak, measured again
+_PEAKS: dict[tuple[str, int | None, str, bool], tuple[float, int]] = {}
 _BANDWIDTH: dict[str, float] = {}
 
-# NVIDIA's datasheet figures: dense Tensor Core TFLOP/s (no sparsity) and HBM GB/s. "fp32" is TF32 where matmuls
-# may use it (torch.backends.cuda.matmul.allow_tf32), else plain FP32. Matched on torch.cuda.get_device_name().
+# NVIDIA's datasheet figures: dense Tensor Core TFLOP/s (half the "with sparsity" figures) and HBM GB/s. "fp32" is
+# TF32 where matmuls may use it (:func:`tf32_matmuls`), else plain FP32. Matched in order on
+# torch.cuda.get_device_name(): the first key the name contains wins, so variants come before the family ("GH200"
+# before "H200", "H100 NVL" before "H100").
+_HOPPER_SXM = {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0}
+_HOPPER_NVL = {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0, "fp8": 1670.0}
+_AMPERE = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
 _DATASHEETS: tuple[tuple[str, dict[str, float], float], ...] = (
-    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0}, 4800.0),
+    ("GH200", _HOPPER_SXM, 4000.0),  # the 96 GB HBM3 part; the 144 GB HBM3e one reaches 4900
+    ("H200 NVL", _HOPPER_NVL, 4800.0),
+    ("H200", _HOPPER_SXM, 4800.0),
+    ("H100 NVL", _HOPPER_NVL, 3900.0),
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0}, 2000.0),
-    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0}, 3350.0),
-    ("A100-SXM4-80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 2039.0),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 1555.0),
+    ("H100", _HOPPER_SXM, 3350.0),
+    ("A100-SXM4-80GB", _AMPERE, 2039.0),
+    ("A100 80GB PCIe", _AMPERE, 1935.0),
+    ("A100", _AMPERE, 1555.0),
     ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3, "fp8": 242.0}, 300.0),
     ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}, 600.0),
 )
+
+
+def tf32_matmuls() -> bool:
+    """Whether CUDA fp32 matmuls may run on TF32 Tensor Cores now.
+
+    Read through the ``fp32_precision`` API where torch has it: since torch 2.9, once anything (transformers does) sets
+    it, reading the legacy ``allow_tf32`` or ``get_float32_matmul_precision()`` can raise for mixing the two APIs.
+
+    Example:
+        >>> tf32_matmuls() in (True, False)
+        True
+    """
+    matmul = torch.backends.cuda.matmul
+    try:
+        mode = getattr(matmul, "fp32_precision", None)
+        if mode == "none":  # inherits the generic setting
+            mode = getattr(torch.backends, "fp32_precision", "ieee")
+        if mode is not None:
+            return mode == "tf32"
+    except RuntimeError:
+        pass
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # the two APIs mixed: TF32 unknown; fp32's own (lower) peak is the safe roof
+        return False
 
 
 @dataclass(frozen=True)
@@ -52,8 +88,12 @@ class Peaks:
     datasheet_gbps: float | None = None
 
     def peak(self, dtype: str) -> float:
-        """The measured GEMM peak of ``dtype`` in FLOP/s (fp32's for a dtype not measured)."""
-        return self.gemm_tflops.get(dtype, self.gemm_tflops.get("fp32", 0.0)) * 1e12
+        """The GEMM peak of ``dtype`` in FLOP/s: measured, else the datasheet's, else 0 (unknown).
+
+        An unknown peak is never another dtype's: fp8 FLOPs judged against the fp32 peak would read as an MFU many
+        times too high. Work in a dtype with no peak stays out of MFU and ``% of peak``.
+        """
+        return self.gemm_tflops.get(dtype, self.datasheet_tflops.get(dtype, 0.0)) * 1e12
 
     def describe(self) -> str:
         """One line: what was measured, where, at what size; the datasheet beside it."""
@@ -67,50 +107,56 @@ class Peaks:
         return text
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _gemm_peak(device: torch.device, dtype: str, n: int | None) -> tuple[float, int]:
     """Best TFLOP/s of ``a @ a``, and the size that reached it.
 
     At ``n``, else over sizes doubling from 256 (1024 on CUDA) until one GEMM takes 20 ms or the size reaches 2048
-    (8192).
+    (8192). Each size is timed as the best of three samples of back-to-back GEMMs filling about 10 ms (on CUDA between
+    two events), so a GEMM's launch and a synchronization do not count as its time.
     """
     size = n or (1024 if device.type == "cuda" else 256)
     cap = n or (8192 if device.type == "cuda" else 2048)
     best = (0.0, size)
     while True:
-        a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
-        seconds = _timed(lambda a=a: a @ a, device, reps=2)
+        a = torch.randn(size, size, device=device).to(BY_NAME[dtype])
+        one = best_seconds(lambda a=a: a @ a, device, reps=1)
+        calls = max(1, min(20, int(0.01 / max(one, 1e-6))))
+        seconds = min(one, best_seconds(lambda a=a: a @ a, device, reps=3, calls=calls))
         best = max(best, (2 * size**3 / seconds / 1e12, size))
+        del a
         if size >= cap or seconds > 0.02:
             # a slow dtype (bf16 emulated on a CPU without bf16 units) stops at a small size, in well under a second
             return best
         size *= 2
 
 
-def _datasheet(device: torch.device) -> tuple[dict[str, float], float | None]:
-    if device.type != "cuda":
-        return {}, None
-    name = torch.cuda.get_device_name(device)
+def datasheet(name: str, tf32: bool = False) -> tuple[dict[str, float], float | None]:
+    """The datasheet's dense TFLOP/s per dtype and memory GB/s of the GPU named ``name`` (``({}, None)``: unknown).
+
+    Args:
+        name: as ``torch.cuda.get_device_name()`` gives it.
+        tf32: fp32 matmuls may use TF32 (then "fp32" is the TF32 Tensor Core figure).
+
+    Example:
+        >>> datasheet("NVIDIA GH200 480GB")[1], datasheet("NVIDIA A100 80GB PCIe")[1], datasheet("Radeon")
+        (4000.0, 1935.0, ({}, None))
+        >>> datasheet("NVIDIA H100 80GB HBM3", tf32=True)[0]["fp32"]
+        494.0
+    """
     for key, tflops, gbps in _DATASHEETS:
         if key in name:
             sheet = dict(tflops)
-            tf32 = sheet.pop("tf32")
-            if torch.backends.cuda.matmul.allow_tf32:
-                sheet["fp32"] = tf32
+            tf32_figure = sheet.pop("tf32")
+            if tf32:
+                sheet["fp32"] = tf32_figure
             return sheet, gbps
     return {}, None
+
+
+def _datasheet(device: torch.device) -> tuple[dict[str, float], float | None]:
+    if device.type != "cuda":
+        return {}, None
+    return datasheet(torch.cuda.get_device_name(device), tf32_matmuls())
 
 
 def datasheet_peaks(device: torch.device | str) -> tuple[dict[str, float], float | None]:
@@ -121,6 +167,21 @@ def datasheet_peaks(device: torch.device | str) -> tuple[dict[str, float], float
         ({}, None)
     """
     return _datasheet(torch.device(device))
+
+
+@contextlib.contextmanager
+def _returning_memory(device: torch.device) -> Iterator[None]:
+    """Inside, CUDA memory may be taken; what the caching allocator reserved for it is handed back on exit.
+
+    Peaks are measured once, mid-training: gigabytes of GEMM operands and copy buffers would otherwise stay reserved
+    beside the model for the rest of the run.
+    """
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    try:
+        yield
+    finally:
+        if device.type == "cuda" and torch.cuda.memory_reserved(device) > before:
+            torch.cuda.empty_cache()
 
 
 def measure_peaks(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp32", "bf16"),
@@ -140,19 +201,21 @@ def measure_peaks(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = 
         (True, {'fp32': 256})
     """
     device = torch.device(device)
+    tf32 = device.type == "cuda" and tf32_matmuls()
     tflops, sizes = {}, {}
-    for name in dict.fromkeys(dtypes):
-        if name not in _TORCH_DTYPES:
-            continue
-        key = (f"{device}:{n}", name)
-        if key not in _PEAKS:
-            _PEAKS[key] = _gemm_peak(device, name, n)
-        tflops[name], sizes[name] = _PEAKS[key]
-    if str(device) not in _BANDWIDTH:
-        src = torch.empty(64 * 2**20 if device.type == "cpu" else 256 * 2**20, device=device)  # 256 MB / 1 GB fp32
-        dst = torch.empty_like(src)
-        _BANDWIDTH[str(device)] = 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device, reps=3) / 1e9
-        del src, dst
+    with _returning_memory(device):
+        for name in dict.fromkeys(dtypes):
+            if name not in BY_NAME:
+                continue  # fp8 and the like: the datasheet's figure, where the device is known
+            key = (str(device), n, name, tf32 and name == "fp32")
+            if key not in _PEAKS:
+                _PEAKS[key] = _gemm_peak(device, name, n)
+            tflops[name], sizes[name] = _PEAKS[key]
+        if str(device) not in _BANDWIDTH:
+            src = torch.empty(64 * 2**20 if device.type == "cpu" else 256 * 2**20, device=device)  # 256 MB / 1 GB
+            dst = torch.empty_like(src)
+            _BANDWIDTH[str(device)] = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), device, reps=3) / 1e9
+            del src, dst
     sheet, sheet_gbps = _datasheet(device)
     return Peaks(str(device), tflops, _BANDWIDTH[str(device)], sizes, link_gbps, sheet, sheet_gbps)
 
@@ -173,5 +236,5 @@ def measure_link(device: torch.device, megabytes: int = 16) -> float | None:
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     buffer = torch.zeros(megabytes * 2**18, device=device)
-    seconds = _timed(lambda: dist.all_reduce(buffer), device, reps=3)
+    seconds = best_seconds(lambda: dist.all_reduce(buffer), device, reps=3)
     return buffer.numel() * 4 / seconds / 1e9

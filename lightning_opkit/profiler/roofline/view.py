@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_opkit.core.logging import TensorBoardWriter, markdown_table
+from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.text import markdown_table
+from lightning_opkit.opclass import GEMM_CLASSES
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.plot import roofline_image
-from lightning_opkit.profiler.roofline.work import MODEL_FLOP_CLASSES, ClassRoofline, class_rooflines
+from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
 
 __all__ = ["RooflineReport", "block_glob", "build_report", "lever", "log_roofline", "roofline_table",
            "summary_lines"]
@@ -52,7 +54,7 @@ class RooflineReport:
     def model_flops_by_dtype(self) -> dict[str, float]:
         """FLOPs per step of the GEMM-like classes (matmul, conv, attention, rnn), per dtype they ran in."""
         total: dict[str, float] = {}
-        for cls in MODEL_FLOP_CLASSES:
+        for cls in GEMM_CLASSES:
             for dtype, flops in self.rows[cls].flops_by_dtype.items() if cls in self.rows else ():
                 total[dtype] = total.get(dtype, 0.0) + flops / self.steps
         return total
@@ -163,7 +165,7 @@ def lever(row: ClassRoofline, report: RooflineReport) -> str:
                 " (attention's math path: matmul, softmax)")
     if kind == "overhead":
         return _overhead_lever(row, report, pct)
-    text = _gemm_lever(row, report, kind, pct) if row.op_class in MODEL_FLOP_CLASSES else _elementwise_lever(
+    text = _gemm_lever(row, report, kind, pct) if row.op_class in GEMM_CLASSES else _elementwise_lever(
         row, report, kind, pct)
     if pct < 10:
         text += (f"; at only {pct:.1f}% of its roof in ops of {1e3 * row.seconds / row.calls:.2f} ms each, which is"

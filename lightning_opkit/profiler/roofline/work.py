@@ -13,10 +13,16 @@ from typing import Any
 
 from torch.utils import flop_counter
 
-from lightning_opkit.opclass import classify_profiler_event, fused_kernel_ops, is_framework_event
+from lightning_opkit.opclass import (
+    GEMM_CLASSES,
+    NO_ARITHMETIC,
+    classify_profiler_event,
+    fused_kernel_ops,
+    is_framework_event,
+)
 from lightning_opkit.profiler.roofline.peaks import Peaks
 
-__all__ = ["MODEL_FLOP_CLASSES", "ClassRoofline", "class_rooflines"]
+__all__ = ["ClassRoofline", "class_rooflines"]
 
 _ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "BFloat16": 2, "Half": 2, "long int": 8,
              "int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2,
@@ -26,10 +32,6 @@ _DTYPE_NAMES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "
 #: arithmetic per element of the elementwise-like classes (a LayerNorm reads, centres, squares, sums, scales)
 _FLOPS_PER_ELEMENT = {"norm": 8.0, "softmax": 5.0, "activation": 8.0, "loss": 4.0, "reduction": 1.0,
                       "pointwise": 1.0, "embedding": 0.0, "copy": 0.0}
-#: classes whose FLOPs are the model's FLOPs in MFU (the rest are a rounding error next to them, and no GEMM peak
-#: applies to them)
-MODEL_FLOP_CLASSES = ("matmul", "conv", "attention", "rnn")
-_NOT_WORK = ("other", "layout", "communication")
 #: below this much time per op, an op far under both roofs is bound by launch or host cost
 _OVERHEAD_CALL_S = 100e-6
 
@@ -192,7 +194,7 @@ def _op_work(key: str, cls: str, event: Any) -> tuple[float, float, str] | None:
     if not tensors:
         return None
     itemsize = _ITEMSIZE.get(dtypes[0] if dtypes else "float", 4)
-    if cls in MODEL_FLOP_CLASSES:
+    if cls in GEMM_CLASSES:
         flops, out = _gemm_like(key, cls, event, tensors)
         return flops, _bytes(shapes, dtypes) + out * itemsize, _dtype_name(dtypes)
     touched = _gathered(key, shapes, dtypes)
@@ -231,7 +233,7 @@ class _Tree:
         return self._classes[key]
 
     def _related(self, event: Any, cls: str) -> bool:
-        return self.cls(event.key) in (cls, *MODEL_FLOP_CLASSES)
+        return self.cls(event.key) in (cls, *GEMM_CLASSES)
 
     def does_work(self, event: Any, cls: str) -> bool:
         """The outermost op the profiler counted FLOPs for (``aten::conv2d`` over its chain), else the innermost.
@@ -272,7 +274,7 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
         if cls == "communication":
             _add_communication(rows, e, tree)
             continue
-        if cls in _NOT_WORK:
+        if cls in NO_ARITHMETIC:
             continue
         row = rows.setdefault(cls, ClassRoofline(cls))
         if fused_kernel_ops(key) is not None:
