@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_opkit import ProfilerWindows  # noqa: E402
 from lightning_opkit.profiler.roofline.peaks import measure_peaks  # noqa: E402
-from lightning_opkit.profiler.roofline.plot import roofline_image  # noqa: E402
+from lightning_opkit.profiler.roofline.plot import roofline_figure  # noqa: E402
 from lightning_opkit.profiler.roofline.view import roofline_table, summary_lines  # noqa: E402
 
 
@@ -135,10 +135,8 @@ def main() -> None:
     report = last.last_roofline
     print("\n" + roofline_table(report) + "\n\n" + "\n".join(summary_lines(report)))
     if args.save:
-        from PIL import Image
-
         title = f"{CHOICES[args.model][2]}: op classes against {report.peaks.device}'s measured roofs"
-        Image.fromarray(roofline_image(report.rows, report.peaks, title)).save(args.save)
+        roofline_figure(report.rows, report.peaks, title).savefig(args.save)
         print(f"wrote {args.save}")
 
 

@@ -7,7 +7,7 @@ from helpers import TinyNet, make_loader, read_events
 from torch import nn
 
 from examples.vit import TinyViT
-from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.core.text import markdown_table
@@ -15,7 +15,7 @@ from lightning_opkit.core.text import markdown_table
 
 class _Writes(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        w = TensorBoardWriter(trainer)
+        w = LogWriter(trainer)
         w.scalar("opkit/test/value", batch_idx * 1.5, trainer.global_step)
         w.table("opkit/test/table", ["a", "b"], [[1, 2.5]], trainer.global_step)
         w.close()

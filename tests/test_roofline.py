@@ -15,7 +15,7 @@ from zoo import build
 
 from lightning_opkit import ProfilerWindows
 from lightning_opkit.profiler.roofline.peaks import measure_peaks
-from lightning_opkit.profiler.roofline.view import RooflineReport
+from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.work import class_rooflines
 
 

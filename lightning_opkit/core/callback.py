@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.summary import end_summary, start_summary
 
@@ -36,7 +36,7 @@ class OpkitCallback(Callback):
     """
 
     def __init__(self) -> None:
-        self._writer: TensorBoardWriter | None = None
+        self._writer: LogWriter | None = None
         self._patches = Patches()
 
     def summary_lines(self) -> list[str]:
@@ -47,11 +47,11 @@ class OpkitCallback(Callback):
         """This callback's charts in TensorBoard's Custom Scalars tab: category -> title -> ``["Multiline", tags]``."""
         return {}
 
-    def _open_writer(self, trainer: pl.Trainer, stage: str) -> TensorBoardWriter:
+    def _open_writer(self, trainer: pl.Trainer, stage: str) -> LogWriter:
         """A fresh writer for this stage; at a fit's setup, also arm the run summary."""
         if self._writer is not None:
             self._writer.close()
-        self._writer = TensorBoardWriter(trainer)
+        self._writer = LogWriter(trainer)
         if stage == "fit":
             start_summary(self, trainer, self._writer)
         return self._writer

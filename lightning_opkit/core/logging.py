@@ -1,17 +1,25 @@
-"""TensorBoard plumbing: find the run's ``SummaryWriter`` and write scalars, markdown tables and text (rank zero)."""
+"""The one sink every opkit callback writes through: TensorBoard first, and every other logger of the Trainer.
+
+Scalars go to TensorBoard and to each other logger's ``log_metrics`` (CSVLogger, WandbLogger, MLFlowLogger, ...), so
+a run without TensorBoard still has every ``opkit/*`` figure. Text and pictures go where a logger has a way: W&B's
+``log_text`` / ``log_image``, MLflow's artifacts, and files beside a CSVLogger's ``metrics.csv``
+(``opkit/<tag>.md`` and ``.png``, the latest of each). Only global rank zero writes.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
+import numpy as np
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from lightning_opkit.core.text import markdown_table
 
-__all__ = ["TensorBoardWriter", "run_log_dir"]
+__all__ = ["LogWriter", "figure_pixels", "run_log_dir"]
 
 
 def run_log_dir(trainer: pl.Trainer) -> str:
@@ -30,9 +38,29 @@ def run_log_dir(trainer: pl.Trainer) -> str:
     return trainer.log_dir or trainer.default_root_dir
 
 
-class TensorBoardWriter:
-    """Write opkit's scalars and tables to the Trainer's TensorBoard writer, or to ``<log dir>/opkit``.
+def figure_pixels(figure: Any) -> np.ndarray:
+    """A matplotlib figure rendered to an ``(H, W, 3)`` uint8 array, at the figure's own size and dpi.
 
+    Example:
+        >>> from matplotlib.figure import Figure
+        >>> figure_pixels(Figure(figsize=(2, 1), dpi=50)).shape
+        (50, 100, 3)
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def _file_name(tag: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", tag.removeprefix("opkit/"))
+
+
+class LogWriter:
+    """Write opkit's scalars, tables and pictures to TensorBoard and to the Trainer's other loggers.
+
+    TensorBoard: the Trainer's ``TensorBoardLogger`` writer, else a writer of opkit's own in ``<log dir>/opkit``.
     Only global rank zero writes; on other ranks every method is a no-op.
 
     Args:
@@ -40,7 +68,7 @@ class TensorBoardWriter:
 
     Example:
         >>> import tempfile
-        >>> writer = TensorBoardWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
+        >>> writer = LogWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
         >>> writer.scalar("opkit/nan/events", 1, step=10)
         >>> writer.log_dir.endswith("opkit"), writer.active
         (True, True)
@@ -50,10 +78,13 @@ class TensorBoardWriter:
     def __init__(self, trainer: pl.Trainer) -> None:
         self._writer: Any = None
         self._owned = False
+        #: the Trainer's loggers other than TensorBoard, each written to as far as it has a way
+        self.others: list[Logger] = []
         #: the run's log directory (computed on every rank: under DDP ``trainer.log_dir`` is a collective)
         self.run_dir = self.log_dir = run_log_dir(trainer)
         if not trainer.is_global_zero:
             return
+        self.others = [lg for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)]
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 self._writer = logger.experiment
@@ -77,8 +108,7 @@ class TensorBoardWriter:
             value: a Python number (never a tensor: converting one is a host sync the caller must own).
             step: the global step.
         """
-        if self._writer is not None:
-            self._writer.add_scalar(tag, float(value), global_step=step)
+        self.scalars(tag.rpartition("/")[0], {tag.rpartition("/")[2]: value}, step)
 
     def scalars(self, prefix: str, values: dict[str, float | None], step: int) -> None:
         """Write a group of scalars under one prefix; ``None`` values (not measured) are left out.
@@ -90,35 +120,70 @@ class TensorBoardWriter:
 
         Example:
             >>> import tempfile
-            >>> writer = TensorBoardWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
+            >>> writer = LogWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
             >>> writer.scalars("opkit/nan", {"events": 0, "skipped_steps": 0, "not_measured": None}, step=0)
             >>> writer.close()
         """
-        for name, value in values.items():
-            if value is not None:
-                self.scalar(f"{prefix}/{name}", value, step)
+        if self._writer is None:
+            return
+        metrics = {f"{prefix}/{name}": float(value) for name, value in values.items() if value is not None}
+        for tag, value in metrics.items():
+            self._writer.add_scalar(tag, value, global_step=step)
+        for logger in self.others:
+            if metrics:
+                logger.log_metrics(metrics, step)
 
     def text(self, tag: str, markdown: str, step: int) -> None:
-        """Write markdown text (a table or a report) for TensorBoard's text plugin.
+        """Write markdown text (a table or a report): TensorBoard's text plugin, and the other loggers' ways.
 
         Args:
             tag: the full tag.
             markdown: the text.
             step: the global step.
         """
-        if self._writer is not None:
-            self._writer.add_text(tag, markdown, global_step=step)
+        if self._writer is None:
+            return
+        self._writer.add_text(tag, markdown, global_step=step)
+        for logger in self.others:
+            if isinstance(logger, CSVLogger):
+                self._beside_csv(logger, tag, ".md", f"step {step}\n\n{markdown}\n")
+            elif callable(getattr(logger, "log_text", None)):  # W&B: a one-cell table per tag
+                logger.log_text(key=tag, columns=["markdown"], data=[[markdown]], step=step)
+            elif callable(getattr(getattr(logger, "experiment", None), "log_text", None)) and getattr(
+                    logger, "run_id", None):  # MLflow: an artifact per step
+                logger.experiment.log_text(logger.run_id, markdown, f"{_file_name(tag)}.{step}.md")
 
-    def image(self, tag: str, pixels: Any, step: int) -> None:
-        """Write an ``(H, W, 3)`` uint8 image for TensorBoard's images tab.
+    def figure(self, tag: str, figure: Any, step: int) -> None:
+        """Write a matplotlib figure: TensorBoard's images tab, and the other loggers' ways.
 
         Args:
             tag: the full tag.
-            pixels: the image, height by width by RGB.
+            figure: a ``matplotlib.figure.Figure``.
             step: the global step.
         """
-        if self._writer is not None:
-            self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
+        if self._writer is None:
+            return
+        pixels = figure_pixels(figure)
+        self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
+        for logger in self.others:
+            if isinstance(logger, CSVLogger):
+                path = self._beside_csv(logger, tag, ".png", None)
+                figure.savefig(path)
+            elif callable(getattr(logger, "log_image", None)):  # W&B
+                logger.log_image(key=tag, images=[pixels], step=step)
+            elif callable(getattr(getattr(logger, "experiment", None), "log_figure", None)) and getattr(
+                    logger, "run_id", None):  # MLflow
+                logger.experiment.log_figure(logger.run_id, figure, f"{_file_name(tag)}.{step}.png")
+
+    @staticmethod
+    def _beside_csv(logger: CSVLogger, tag: str, suffix: str, content: str | None) -> str:
+        folder = os.path.join(logger.log_dir, "opkit")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, _file_name(tag) + suffix)
+        if content is not None:
+            with open(path, "w") as f:
+                f.write(content)
+        return path
 
     def table(self, tag: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
         """Write a markdown table.
@@ -141,15 +206,18 @@ class TensorBoardWriter:
             self._writer.add_custom_scalars(layout)
 
     def flush(self) -> None:
-        """Flush pending events to disk."""
-        if self._writer is not None:
-            self._writer.flush()
+        """Flush pending events and rows to disk."""
+        if self._writer is None:
+            return
+        self._writer.flush()
+        for logger in self.others:
+            logger.save()
 
     def close(self) -> None:
         """Flush, and close the writer if opkit created it (a logger's writer belongs to the logger)."""
         if self._writer is None:
             return
-        self._writer.flush()
+        self.flush()
         if self._owned:
             self._writer.close()
         self._writer = None

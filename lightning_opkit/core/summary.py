@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_opkit.core.kit import members
-from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.logging import LogWriter
 
 
 def is_first(trainer: pl.Trainer, callback: Any) -> bool:
@@ -41,7 +41,7 @@ def merged_layout(trainer: pl.Trainer) -> dict[str, dict[str, list[Any]]]:
     return layout
 
 
-def write_layout(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter) -> None:
+def write_layout(trainer: pl.Trainer, callback: Any, writer: LogWriter) -> None:
     """Write the custom-scalars layout once per run (by the first opkit callback, on rank zero).
 
     Args:
@@ -53,7 +53,7 @@ def write_layout(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter) 
         writer.custom_scalars(merged_layout(trainer))
 
 
-def start_summary(callback: Any, trainer: pl.Trainer, writer: TensorBoardWriter) -> None:
+def start_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter) -> None:
     """At a fit's setup: arm the summary and write the layout (first opkit callback only).
 
     Args:
@@ -65,7 +65,7 @@ def start_summary(callback: Any, trainer: pl.Trainer, writer: TensorBoardWriter)
     write_layout(trainer, callback, writer)
 
 
-def end_summary(callback: Any, trainer: pl.Trainer, writer: TensorBoardWriter | None,
+def end_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter | None,
               exception: BaseException | None = None) -> None:
     """At the end of a fit or on its exception: the summary, once (first opkit callback only).
 
@@ -81,7 +81,7 @@ def end_summary(callback: Any, trainer: pl.Trainer, writer: TensorBoardWriter | 
     report(trainer, callback, writer, exception)
 
 
-def report(trainer: pl.Trainer, callback: Any, writer: TensorBoardWriter | None,
+def report(trainer: pl.Trainer, callback: Any, writer: LogWriter | None,
            exception: BaseException | None = None) -> str | None:
     """Print the run summary and write it as ``opkit/summary`` (first opkit callback, rank zero, fit only).
 

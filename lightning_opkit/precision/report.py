@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow
@@ -40,7 +40,7 @@ def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], modul
     return text
 
 
-def write_census(writer: TensorBoardWriter | None, rows: list[CensusRow], table: dict[str, str], step: int) -> None:
+def write_census(writer: LogWriter | None, rows: list[CensusRow], table: dict[str, str], step: int) -> None:
     """Warn about fp16 classes near overflow (rank zero); write the census scalars and table.
 
     Args:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from lightning_opkit.core.logging import TensorBoardWriter
+from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.profiler.report import WindowReport
-from lightning_opkit.profiler.roofline.view import RooflineReport, log_roofline
+from lightning_opkit.profiler.roofline.report import RooflineReport
+from lightning_opkit.profiler.roofline.view import log_roofline
 
 
-def log_window(writer: TensorBoardWriter, report: WindowReport, step: int, *, window_no: int, partial: bool,
+def log_window(writer: LogWriter, report: WindowReport, step: int, *, window_no: int, partial: bool,
                export_s: float | None, with_flops: bool, top_k: int, charted: set[str],
                roofline: RooflineReport | None = None) -> None:
     """Log one window's scalars, ``top_ops`` and ``op_classes`` tables (and its roofline) at ``step``.
@@ -28,7 +29,7 @@ def log_window(writer: TensorBoardWriter, report: WindowReport, step: int, *, wi
     Example:
         >>> import lightning.pytorch as pl, tempfile
         >>> trainer = pl.Trainer(default_root_dir=tempfile.mkdtemp(), logger=False, enable_progress_bar=False)
-        >>> writer, charted = TensorBoardWriter(trainer), set()
+        >>> writer, charted = LogWriter(trainer), set()
         >>> report = WindowReport(steps=2, step_time_ms=5.0, class_self_us={"matmul": 6000.0, "norm": 0.0})
         >>> log_window(writer, report, 10, window_no=1, partial=False, export_s=None, with_flops=False,
         ...            top_k=15, charted=charted)

@@ -26,7 +26,7 @@ from lightning_opkit.core.select import find_blocks
 from lightning_opkit.profiler.log import log_window
 from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit.profiler.roofline.peaks import measure_link
-from lightning_opkit.profiler.roofline.view import RooflineReport, build_report
+from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
 from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
 from lightning_opkit.profiler.session import Window, opens_window, window_phase
 
