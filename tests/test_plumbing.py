@@ -91,3 +91,35 @@ def test_patches_restore_idempotently():
     patches.restore()
     assert "forward" not in vars(module)
     assert not module._forward_hooks
+
+
+def test_every_logger_of_the_trainer_gets_the_figures(tmp_path):
+    """TensorBoard and a CSVLogger side by side: scalars in both, tables and the picture beside metrics.csv."""
+    import csv
+
+    from lightning_opkit import NaNDetector, ProfilerWindows
+
+    csv_logger = pl.loggers.CSVLogger(tmp_path, name="csv")
+    callbacks = [NaNDetector(action="skip"), ProfilerWindows(every_n_steps=3, warmup=0, active=1, roofline=True,
+                                                             export_trace=False)]
+    pl.Trainer(default_root_dir=tmp_path, max_steps=5, callbacks=callbacks, enable_progress_bar=False,
+               enable_checkpointing=False, enable_model_summary=False,
+               logger=[pl.loggers.TensorBoardLogger(tmp_path), csv_logger]).fit(
+        TinyNet(forward_steps=(2,)), make_loader())
+    with open(os.path.join(csv_logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    events = [(int(r["step"]), float(r["opkit/nan/events"])) for r in rows if r.get("opkit/nan/events")]
+    assert events[0] == (2, 1.0)  # the skipped step's event, at its step
+    windows = [float(r["opkit/profiler/step_time_ms"]) for r in rows if r.get("opkit/profiler/step_time_ms")]
+    assert len(windows) == 1
+    assert windows[0] > 0
+    scalars, _ = read_events(str(tmp_path / "lightning_logs"))
+    assert scalars["opkit/profiler/step_time_ms"][0][1] == pytest.approx(windows[0])
+    assert scalars["opkit/nan/events"][0] == (2, 1.0)
+    folder = os.path.join(csv_logger.log_dir, "opkit")
+    with open(os.path.join(folder, "nan_report.md")) as f:
+        assert "Non-finite output at global step 2" in f.read()
+    with open(os.path.join(folder, "profiler_roofline.md")) as f:
+        assert "| class | dtype |" in f.read()
+    with open(os.path.join(folder, "profiler_roofline_plot.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

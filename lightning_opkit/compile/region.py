@@ -8,6 +8,7 @@ and once, if asked, eager against compiled time on the call's own inputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,7 @@ def measure_speedup(module: torch.nn.Module, original: Callable[..., Any], compi
         sync(device)
         for _ in range(repeats):
             for is_compiled, fn in ((False, original), (True, compiled)):
-                times[is_compiled].append(per_call_seconds(lambda fn=fn: fn(*args, **kwargs), device, calls))
+                times[is_compiled].append(per_call_seconds(functools.partial(fn, *args, **kwargs), device, calls))
     return statistics.median(times[False]) / max(statistics.median(times[True]), 1e-9)
 
 

@@ -281,7 +281,8 @@ class TorchCompile(OpkitCallback):
             writer.table("opkit/compile/regions", REGION_HEADERS, [r.row() for r in self.regions.values()], step)
             writer.scalar("opkit/compile/eager_regions", sum(r.eager for r in self.regions.values()), step)
         steady = self.step_times_s
-        if steady and (final or len(steady) % max(1, trainer.log_every_n_steps) == 0):
+        every = int(getattr(trainer, "log_every_n_steps", 50))  # set by Lightning at init, not declared
+        if steady and (final or len(steady) % max(1, every) == 0):
             writer.scalar("opkit/compile/step_time_ms", 1e3 * statistics.median(steady[-100:]), step)
         if final:
             writer.flush()

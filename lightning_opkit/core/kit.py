@@ -7,7 +7,7 @@ any callback can ask for any offer without importing the callback that makes it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from torch import nn
@@ -44,9 +44,6 @@ class CompilesRegions(Protocol):
     compiled: list[str]
 
 
-T = TypeVar("T")
-
-
 def members(trainer: pl.Trainer) -> list[Member]:
     """The opkit callbacks of ``trainer``, in its order (the first one writes what is written once per run).
 
@@ -57,7 +54,7 @@ def members(trainer: pl.Trainer) -> list[Member]:
     return [c for c in trainer.callbacks if isinstance(c, Member)]  # type: ignore[attr-defined]
 
 
-def offering(trainer: pl.Trainer, offer: type[T]) -> Iterator[T]:
+def offering(trainer: pl.Trainer, offer: type[Any]) -> Iterator[Any]:
     """The opkit callbacks of ``trainer`` that make ``offer`` (one of this module's protocols).
 
     Args:

@@ -145,13 +145,14 @@ class LogWriter:
             return
         self._writer.add_text(tag, markdown, global_step=step)
         for logger in self.others:
+            other: Any = logger  # the ways below are not on Lightning's base Logger
             if isinstance(logger, CSVLogger):
                 self._beside_csv(logger, tag, ".md", f"step {step}\n\n{markdown}\n")
-            elif callable(getattr(logger, "log_text", None)):  # W&B: a one-cell table per tag
-                logger.log_text(key=tag, columns=["markdown"], data=[[markdown]], step=step)
-            elif callable(getattr(getattr(logger, "experiment", None), "log_text", None)) and getattr(
-                    logger, "run_id", None):  # MLflow: an artifact per step
-                logger.experiment.log_text(logger.run_id, markdown, f"{_file_name(tag)}.{step}.md")
+            elif callable(getattr(other, "log_text", None)):  # W&B: a one-cell table per tag
+                other.log_text(key=tag, columns=["markdown"], data=[[markdown]], step=step)
+            elif callable(getattr(getattr(other, "experiment", None), "log_text", None)) and getattr(
+                    other, "run_id", None):  # MLflow: an artifact per step
+                other.experiment.log_text(other.run_id, markdown, f"{_file_name(tag)}.{step}.md")
 
     def figure(self, tag: str, figure: Any, step: int) -> None:
         """Write a matplotlib figure: TensorBoard's images tab, and the other loggers' ways.
@@ -166,14 +167,15 @@ class LogWriter:
         pixels = figure_pixels(figure)
         self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
         for logger in self.others:
+            other: Any = logger
             if isinstance(logger, CSVLogger):
                 path = self._beside_csv(logger, tag, ".png", None)
                 figure.savefig(path)
-            elif callable(getattr(logger, "log_image", None)):  # W&B
-                logger.log_image(key=tag, images=[pixels], step=step)
-            elif callable(getattr(getattr(logger, "experiment", None), "log_figure", None)) and getattr(
-                    logger, "run_id", None):  # MLflow
-                logger.experiment.log_figure(logger.run_id, figure, f"{_file_name(tag)}.{step}.png")
+            elif callable(getattr(other, "log_image", None)):  # W&B
+                other.log_image(key=tag, images=[pixels], step=step)
+            elif callable(getattr(getattr(other, "experiment", None), "log_figure", None)) and getattr(
+                    other, "run_id", None):  # MLflow
+                other.experiment.log_figure(other.run_id, figure, f"{_file_name(tag)}.{step}.png")
 
     @staticmethod
     def _beside_csv(logger: CSVLogger, tag: str, suffix: str, content: str | None) -> str:

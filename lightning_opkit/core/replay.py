@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -138,7 +138,7 @@ def reshard(model: nn.Module) -> None:
         module.reshard()  # type: ignore[operator]
 
 
-def replay_backward(model: nn.Module, loss: Tensor, params: list[Tensor]) -> list[Tensor | None]:
+def replay_backward(model: nn.Module, loss: Tensor, params: Sequence[Tensor]) -> list[Tensor | None]:
     """The gradients of ``loss`` for ``params``, leaving every ``.grad`` as it was.
 
     On a plain, DDP or tensor-parallel model that is ``torch.autograd.grad`` (DDP's reducer is not involved). Under

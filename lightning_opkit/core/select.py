@@ -13,7 +13,8 @@ from torch import nn
 @functools.lru_cache(maxsize=1024)
 def _compile(pattern: str) -> re.Pattern[str]:
     # ``*`` and ``?`` stay inside one component (as in a path glob); ``**`` spans any number of components, none too.
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while i < len(pattern):
         if pattern.startswith("**", i):
             before = i > 0 and pattern[i - 1] == "."

@@ -22,10 +22,10 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
         tensor(False)
     """
     # One fused multi-tensor kernel on CUDA; on CPU a loop of small norms, measured cheaper (0.3 ms/step on the
-    # example) than concatenating the gradients first.
-    norms = torch._foreach_norm(tensors)
-    if len({n.dtype for n in norms}) > 1:
-        norms = [n.float() for n in norms]
+    # example) than concatenating the gradients first. A NaN or Inf anywhere makes its norm non-finite; the norms are
+    # taken in fp32, since in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow. Even fp32
+    # overflows for a finite gradient past ~1e19 per element: :func:`check_step` confirms a failed check exactly.
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.stack(norms).isfinite().all()
 
 
@@ -53,12 +53,21 @@ def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) 
     no = torch.zeros((), dtype=torch.bool, device=device)
     loss_flag = ~torch.cat(losses).isfinite().all() if losses else no
     grad_flag = ~all_finite(grads) if grads else no
-    flags = torch.stack([loss_flag, grad_flag]).float()
+    flags = _any_rank(torch.stack([loss_flag, grad_flag]).float())
+    loss_bad, grad_bad = (v > 0 for v in flags.tolist())  # the one host sync of a checked step
+    if grad_bad:
+        # The slow path, on every rank alike (each saw the same flags): element by element, exactly, so that a norm
+        # overflowing on finite values is not a fault.
+        exact = torch.stack([~g.isfinite().all() for g in grads]).any() if grads else no
+        grad_bad = bool(_any_rank(exact.float().reshape(1)).item() > 0)
+    return loss_bad, grad_bad
+
+
+def _any_rank(flags: Tensor) -> Tensor:
     if dist.is_available() and dist.is_initialized():
         # Every rank takes the same decision at the same step, so none waits in a collective alone.
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    loss_bad, grad_bad = (v > 0 for v in flags.tolist())  # the one host sync of a checked step
-    return loss_bad, grad_bad
+    return flags
 
 
 def bad_gradient_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Origin | None:

@@ -12,6 +12,7 @@ each event and each epoch's end), ``opkit/nan/report`` (the report and its field
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ from lightning_opkit.nan.skip import BatchState, StepSkipper
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
 _ACTIONS = ("raise", "skip", "warn", "stop")
+
+
+def _from_rank(ranks: Ranks, rank: int, value: Any) -> Any:
+    return ranks.from_rank(value, rank)
 
 
 @dataclass
@@ -228,7 +233,8 @@ class NaNDetector(OpkitCallback):
                 if seen:
                     culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
                     origin = origins[culprit]
-                    cause = self._cause(trainer, pl_module, micro, origin, lambda v, r=culprit: ranks.from_rank(v, r))
+                    agree = functools.partial(_from_rank, ranks, culprit)
+                    cause = self._cause(trainer, pl_module, micro, origin, agree)
                     return self._new_report(trainer, micro.batch_idx, origin, cause, culprit)
         finally:
             set_rng_state(resume_rng)
@@ -259,7 +265,7 @@ class NaNDetector(OpkitCallback):
     def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch, origin: Origin,
                agree: Callable[[Any], Any]) -> Cause:
         """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit.nan.cause.diagnose`."""
-        policies = list(offering(trainer, RunsModulesInDtype))  # an attached precision policy runs it in fp32
+        policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))  # a policy runs it in fp32
         return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
                         origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree)
 

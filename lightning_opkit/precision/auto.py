@@ -197,6 +197,7 @@ class AutoPrecision:
         # Rank zero's step times decide, so every rank trains on with the same table.
         self.choice.chosen = agree(trials.winner())
         self.choice.trial = agree(trials.describe())
+        self.choice.trial_ms = agree(trials.best())
         self._trials = None
         return self.plan_for(self.choice.chosen)
 

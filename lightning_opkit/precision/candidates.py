@@ -124,6 +124,8 @@ class StepChoice:
 
     #: how the choice was confirmed on real training steps (:class:`~lightning_opkit.precision.trials.Trials`)
     trial: str | None = None
+    #: each contender's fastest trial step, in ms, as recorded (``trial`` says it in words, rounded)
+    trial_ms: dict[str, float] | None = None
 
     @property
     def best(self) -> TableRun:

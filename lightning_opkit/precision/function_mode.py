@@ -118,7 +118,7 @@ class PolicyMode(TorchFunctionMode):
         if devices and not torch.is_autocast_enabled(devices[0]):
             if not stack:
                 return func(*args, **(kwargs or {}))  # the user turned autocast off here: their code runs as written
-            devices = ()  # off already (a replay's fp32 region inside an override): nothing to turn off and on
+            devices = []  # off already (a replay's fp32 region inside an override): nothing to turn off and on
         if dtype is None or inplace or (kwargs and "out" in kwargs):
             return func(*args, **(kwargs or {}))
         if func in UPDATED_ARGS:

@@ -103,7 +103,7 @@ class PrecisionPolicy(OpkitCallback):
         self.rules: str | dict[str, str] | None = "auto" if rules == "auto" else (
             dict(rules) if rules is not None else None)  # type: ignore[arg-type]
         self.default = default
-        self.modules = dict(modules or {})
+        self.modules: dict[str, str] = dict(modules or {})
         self.census_every_n_steps = census_every_n_steps
         self.tolerance = float(tolerance)
         self.measure_every_n_steps = measure_every_n_steps

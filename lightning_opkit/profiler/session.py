@@ -88,7 +88,7 @@ class Window:
     every_n_steps: int
     warmup: int
     active: int
-    options: dict[str, bool]
+    options: dict[str, Any]
     prof: Any = None
     step_times: list[float] = field(default_factory=list)
     batch_t0: float | None = None

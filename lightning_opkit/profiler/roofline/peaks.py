@@ -7,6 +7,7 @@ datasheet's figures sit beside the measured ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -119,11 +120,12 @@ def _gemm_peak(device: torch.device, dtype: str, n: int | None) -> tuple[float, 
     best = (0.0, size)
     while True:
         a = torch.randn(size, size, device=device).to(BY_NAME[dtype])
-        one = best_seconds(lambda a=a: a @ a, device, reps=1)
+        gemm = functools.partial(torch.matmul, a, a)
+        one = best_seconds(gemm, device, reps=1)
         calls = max(1, min(20, int(0.01 / max(one, 1e-6))))
-        seconds = min(one, best_seconds(lambda a=a: a @ a, device, reps=3, calls=calls))
+        seconds = min(one, best_seconds(gemm, device, reps=3, calls=calls))
         best = max(best, (2 * size**3 / seconds / 1e12, size))
-        del a
+        del a, gemm
         if size >= cap or seconds > 0.02:
             # a slow dtype (bf16 emulated on a CPU without bf16 units) stops at a small size, in well under a second
             return best

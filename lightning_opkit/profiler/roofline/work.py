@@ -168,8 +168,8 @@ def _conv_backward(tensors: list[list[int]], concrete: list[Any]) -> tuple[float
     transposed = concrete[7] if len(concrete) > 7 and isinstance(concrete[7], bool) else False
     mask = concrete[10] if len(concrete) > 10 and isinstance(concrete[10], list) else [True, True, False]
     grad_out, x, w = tensors[:3]
-    flops = flop_counter.conv_backward_flop.__wrapped__(grad_out, x, w, None, None, None, None, transposed, None,
-                                                         None, mask, out_shape=[x, w, None])
+    formula = flop_counter.conv_backward_flop.__wrapped__  # type: ignore[attr-defined]  # the formula, unregistered
+    flops = formula(grad_out, x, w, None, None, None, None, transposed, None, None, mask, out_shape=[x, w, None])
     return float(flops), mask[0] * math.prod(x) + mask[1] * math.prod(w)
 
 
