@@ -8,6 +8,7 @@ that dtype's flat peak) and a point per op class with both FLOPs and bytes. Tens
 from __future__ import annotations
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from lightning_opkit.profiler.roofline.peaks import Peaks
 from lightning_opkit.profiler.roofline.work import ClassRoofline
@@ -63,6 +64,9 @@ def roofline_figure(rows: dict[str, ClassRoofline], peaks: Peaks, title: str) ->
                       va="center", fontsize=9)
     axes.set_xscale("log")
     axes.set_yscale("log")
+    # plain tick labels: matplotlib's default log labels go through its TeX-like parser on every draw
+    for axis in (axes.xaxis, axes.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axes.set_xlim(x_lo, x_hi)
     axes.set_xlabel("arithmetic intensity (FLOP / byte)")
     axes.set_ylabel("achieved TFLOP/s")
