@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.opkit-installed
 LOGDIR ?= lightning_logs
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint typecheck demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-test: lint
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+test: lint typecheck
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -32,4 +35,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py --suite all
 
 clean:
-	rm -rf $(VENV) $(LOGDIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LOGDIR) .pytest_cache .ruff_cache .mypy_cache

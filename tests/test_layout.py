@@ -1,0 +1,148 @@
+"""The package's shape, checked: folders per callback over a core that imports no feature, small parts, public paths
+and files written by the flat 0.1 layout still loading."""
+
+import ast
+import os
+import pathlib
+import pickle
+
+import pytest
+import torch
+
+import lightning_opkit
+
+PACKAGE = pathlib.Path(lightning_opkit.__file__).parent
+FEATURES = {"nan": "detector.py", "profiler": "windows.py", "compile": "torch_compile.py", "precision": "policy.py"}
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def _imported(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_opkit."):
+            yield node.module.split(".")[1]
+
+
+def test_the_top_level_holds_folders_the_taxonomy_and_the_public_names():
+    top = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert top == {"__init__.py", "opclass.py", "py.typed", "core", *FEATURES}
+    assert not [p for p in PACKAGE.rglob("_*.py") if p.name != "__init__.py"]  # no prefix stands in for a folder
+
+
+def test_core_imports_no_feature_and_no_feature_imports_another():
+    for path, tree in _modules():
+        area = path.relative_to(PACKAGE).parts[0]
+        allowed = {"core", "opclass"} | ({area} if area in FEATURES else set())
+        if area in ("__init__.py", "opclass.py"):
+            continue
+        assert set(_imported(tree)) <= allowed, (path, set(_imported(tree)) - allowed)
+
+
+def test_only_the_file_named_after_the_callback_is_lightning_facing():
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") in ("OpkitCallback", "Callback")
+                                                      for b in node.bases):
+                area, name = path.relative_to(PACKAGE).parts[0], path.name
+                if (area, name, node.name) == ("core", "callback.py", "OpkitCallback"):
+                    continue  # their shared base
+                assert FEATURES.get(area) == name, f"{path}: {node.name} is a callback outside {FEATURES.get(area)}"
+
+
+def _code_lines(lines, node):
+    docstrings = set()
+    for n in ast.walk(node):
+        body = getattr(n, "body", None)
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i in range(node.lineno, node.end_lineno + 1)
+               if i not in docstrings and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#"))
+
+
+def test_no_class_over_250_code_lines_nor_function_over_60():
+    for path, tree in _modules():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                assert _code_lines(lines, node) <= 250, f"{path}: class {node.name}"
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert _code_lines(lines, node) <= 60, f"{path}: {node.name}"
+
+
+def test_public_import_paths_stay():
+    from lightning_opkit.compile import TorchCompile
+    from lightning_opkit.nan import NaNDetector, NonFiniteError
+    from lightning_opkit.precision import PrecisionPolicy, decide, measure_precision
+    from lightning_opkit.profiler import ProfilerWindows
+
+    assert lightning_opkit.TorchCompile is TorchCompile
+    assert lightning_opkit.NaNDetector is NaNDetector
+    assert lightning_opkit.NonFiniteError is NonFiniteError
+    assert lightning_opkit.PrecisionPolicy is PrecisionPolicy
+    assert lightning_opkit.ProfilerWindows is ProfilerWindows
+    assert lightning_opkit.decide is decide
+    assert lightning_opkit.measure_precision is measure_precision
+    assert set(lightning_opkit.__all__) <= set(dir(lightning_opkit))
+
+
+def test_non_finite_error_pickles_under_its_public_path():
+    from lightning_opkit import NonFiniteError
+
+    report = {"step": 3, "phase": "loss", "module": "", "module_type": "Net", "nan": 1, "inf": 0}
+    data = pickle.dumps(NonFiniteError(report, reason="lead."))
+    assert b"lightning_opkit\nNonFiniteError" in data or b"lightning_opkit\x94\x8c\x0eNonFiniteError" in data
+    assert b"lightning_opkit.nan" not in data
+    again = pickle.loads(data)
+    assert again.report == NonFiniteError(report).report
+
+
+def test_a_checkpoint_written_by_the_flat_layout_resumes(tmp_path):
+    """tests/data/v0.1.ckpt: written by lightning_opkit 0.1 (flat modules) with every callback's state in it."""
+    from helpers import TinyNet, make_loader, trainer
+
+    from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
+
+    detector = NaNDetector(action="skip", every_n_steps=1)
+    windows = ProfilerWindows(every_n_steps=3, warmup=0, active=1, export_trace=False)
+    callbacks = [PrecisionPolicy(rules={"norm": "fp32"}, modules={"head": "fp32"}, census_every_n_steps=2), detector,
+                 windows, TorchCompile(backend="eager", modules=["body"])]
+    t = trainer(tmp_path, callbacks, max_steps=7, max_epochs=3)
+    t.fit(TinyNet(), make_loader(), ckpt_path=str(DATA / "v0.1.ckpt"))
+    assert t.global_step == 7
+    assert [(e["step"], e["module"], e["cause"]) for e in detector.events] == [(2, "body.1", "data_or_model")]
+    assert detector.skipped_steps == 1
+    # resumed from 1 window and 5 batches: the schedule went on (a window at batch 6), not from the start
+    assert windows.batches_seen == 7
+    assert windows.windows_done == 2
+
+
+def test_a_config_written_for_the_flat_layout_parses_and_builds_every_callback():
+    from lightning.pytorch.cli import LightningCLI
+
+    from examples.vit import DigitsDataModule, ViTClassifier
+
+    cli = LightningCLI(ViTClassifier, DigitsDataModule, run=False, save_config_callback=None,
+                       args=["--config", str(DATA / "v0.1_config.yaml")])
+    names = [type(c).__name__ for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
+    assert names == ["PrecisionPolicy", "NaNDetector", "ProfilerWindows", "TorchCompile", "NaNDetector"]
+    policy = cli.trainer.callbacks[0]
+    assert policy.modules == {"model.head": "fp32"}
+    assert policy.table["matmul"] == "bf16"
+
+
+@pytest.mark.parametrize("path", ["lightning_opkit.nan.NaNDetector", "lightning_opkit.profiler.ProfilerWindows",
+                                  "lightning_opkit.compile.TorchCompile", "lightning_opkit.precision.PrecisionPolicy"])
+def test_class_paths_of_each_folder_resolve(path):
+    module, _, name = path.rpartition(".")
+    assert getattr(__import__(module, fromlist=[name]), name) is getattr(lightning_opkit, name)
+
+
+def test_checkpoint_fixture_is_the_flat_layouts():
+    state = torch.load(DATA / "v0.1.ckpt", weights_only=False)["callbacks"]
+    assert any(key.startswith("NaNDetector") for key in state)
+    assert os.path.getsize(DATA / "v0.1.ckpt") < 64_000
