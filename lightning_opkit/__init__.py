@@ -1,4 +1,16 @@
-"""lightning_opkit: PyTorch Lightning callbacks for operator-level training work."""
+"""lightning_opkit: PyTorch Lightning callbacks for operator-level training work.
+
+One folder per callback, each over Trainer-free parts, on a shared core:
+
+- :mod:`lightning_opkit.precision`: :class:`PrecisionPolicy`, the dtype of each operator class, measured and decided.
+- :mod:`lightning_opkit.nan`: :class:`NaNDetector`, one cheap check per step; the first module named, the cause by
+  replay, the step skipped with nothing lost.
+- :mod:`lightning_opkit.profiler`: :class:`ProfilerWindows`, short profiler windows: time per op class, the roofline.
+- :mod:`lightning_opkit.compile`: :class:`TorchCompile`, in-place and regional ``torch.compile``, reported.
+- :mod:`lightning_opkit.opclass`: the one operator-class taxonomy every callback reads.
+- :mod:`lightning_opkit.core`: what they share (the logging sink, the run summary, replays, ranks, timing, how a
+  callback finds the others); it imports no feature.
+"""
 
 from lightning_opkit.compile import TorchCompile
 from lightning_opkit.compile.checkpoints import strip_compile_prefix

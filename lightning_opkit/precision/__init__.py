@@ -1,9 +1,27 @@
 """Per-operator-class mixed precision: the policy (a callback), measurement, decision and census.
 
-- :mod:`~lightning_opkit.precision.policy`: :class:`PrecisionPolicy`, the Lightning callback.
-- :mod:`~lightning_opkit.precision.measure`: :func:`measure_precision`, speed and error per class on this device.
-- :mod:`~lightning_opkit.precision.decide`: :func:`decide`, the dtype per class from measurements.
-- :mod:`~lightning_opkit.precision.census`: what ran in which dtype and what it cost, per class.
+How a step runs:
+
+- :mod:`.policy`: :class:`PrecisionPolicy`, the Lightning callback; :mod:`.config` checks its arguments and builds
+  the starting table (op class -> dtype).
+- :mod:`.governor`: wraps each step method; a step runs under the policy's mode, under plain autocast (when auto
+  chose it), or as written (fp32 everywhere on an fp32 model).
+- :mod:`.function_mode`: the ``TorchFunctionMode`` that casts each op's inputs to its class's (or its module's)
+  dtype; :mod:`.dtypes` names the dtypes and what the hardware offers.
+- :mod:`.census`: on census steps, what ran in which dtype, its error against fp32 recomputes, underflow, headroom;
+  :mod:`.report` shows it (TensorBoard, the run summary).
+
+How ``rules="auto"`` decides (:mod:`.auto` runs these in order, every rank taking rank zero's decision):
+
+1. :mod:`.measure`: :func:`measure_precision` records the ops of a real step (:mod:`.oplog`), times each class in
+   fp32 and 16-bit at those shapes (:mod:`.op_timing`) and, per class, the error of lowering it alone
+   (:mod:`.runner`); :mod:`.results` holds the measurements.
+2. :mod:`.decide`: :func:`decide` picks per class the fastest 16-bit dtype that is faster and within tolerance.
+3. :mod:`.candidates`: whole-step candidate tables (and plain autocast) run on the first rows of the batch, for their
+   time and error as a whole; the fastest within tolerance is chosen.
+4. :mod:`.trials`: the close contenders confirmed on the next real training steps, the fastest kept.
+
+With explicit rules, :mod:`.speed_check` times the lowered classes once and warns where 16-bit is slower.
 """
 
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision, decide
