@@ -95,6 +95,10 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math", "_flash_attention_forward",
         "_efficient_attention_forward", "_fused_sdp_choice", "multi_head_attention_forward",
         "_native_multi_head_attention", "flex_attention",
+        # the ops under scaled_dot_product_attention that launch its kernels on CUDA, forward and (by their
+        # ``_backward`` suffix) backward
+        "_flash_attention", "_efficient_attention", "_cudnn_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_varlen", "flash_attention",
     ),
     "norm": (
         "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm", "native_batch_norm",

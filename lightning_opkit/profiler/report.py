@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.autograd import DeviceType
+
 from lightning_opkit.opclass import NO_ARITHMETIC, OP_CLASSES, classify_profiler_event, is_framework_event
 
 
@@ -41,6 +43,9 @@ class WindowReport:
     communication_us: float = 0.0
     #: the part of it during which no compute op ran: communication the step waited for, not hidden behind compute
     exposed_communication_us: float = 0.0
+    #: on a GPU, the device time of every kernel, copy and memset the window recorded, each once (``None`` on CPU):
+    #: what the op-class shares divide among the classes
+    device_us: float | None = None
 
     @property
     def total_self_us(self) -> float:
@@ -56,8 +61,29 @@ class WindowReport:
 _REGION = "opkit region "
 
 
+def on_device(event: Any) -> bool:
+    """Whether a profiler row or event is on the device's timeline (a kernel, a copy, a GPU annotation), not a CPU op.
+
+    On a GPU every kernel shows twice: as a device row of its own, and in the self device time of the CPU op that
+    launched it. opkit counts it once, through its launcher, which says its op class; GPU annotations (a
+    ``record_function`` span's device side) hold whole spans of other kernels and are never work.
+
+    Example:
+        >>> from torch.autograd import DeviceType
+        >>> from torch.autograd.profiler_util import FunctionEvent
+        >>> on_device(FunctionEvent(0, "aten::mm", 0, 0, 1)), on_device(FunctionEvent(1, "gemm", 0, 0, 1,
+        ...                                                                           device_type=DeviceType.CUDA))
+        (False, True)
+    """
+    return getattr(event, "device_type", DeviceType.CPU) != DeviceType.CPU
+
+
 def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> WindowReport:
     """Summarize a stopped profiler.
+
+    On a GPU (``use_device``) time is device time, each kernel counted once, in the op class of the CPU op that
+    launched it (:func:`on_device`); kernels launched straight from a framework span (CUDA graph replays) count as
+    ``other``. Framework spans' own time is host time (the loop's Python overhead), apart from the shares.
 
     Args:
         prof: a ``torch.profiler.profile`` whose trace has been collected.
@@ -67,13 +93,20 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
     ops = []
     framework_us = 0.0
     regions: dict[str, float] = {}
+    device_us = 0.0
     for e in prof.key_averages():
+        if use_device and on_device(e):
+            if not getattr(e, "is_user_annotation", False):
+                device_us += float(e.self_device_time_total)
+            continue
         self_us = float(e.self_device_time_total if use_device else e.self_cpu_time_total)
         total_us = float(e.device_time_total if use_device else e.cpu_time_total)
         if is_framework_event(e.key):
-            framework_us += self_us
+            framework_us += float(e.self_cpu_time_total)
             if e.key.startswith(_REGION):
-                regions[e.key[len(_REGION):]] = float(e.cpu_time_total)
+                regions[e.key[len(_REGION):]] = total_us
+            if use_device and self_us:
+                ops.append(OpRow(e.key, "other", int(e.count), self_us, total_us, 0))
             continue
         ops.append(OpRow(e.key, classify_profiler_event(e.key), int(e.count), self_us, total_us, int(e.flops or 0)))
     ops.sort(key=lambda r: r.self_us, reverse=True)
@@ -81,7 +114,7 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
     for row in ops:
         class_self[row.op_class] += row.self_us
     steps = len(step_times_s)
-    communication, exposed = communication_time(prof)
+    communication, exposed = communication_time(prof, use_device=use_device)
     return WindowReport(
         steps=steps,
         step_time_ms=1e3 * sum(step_times_s) / steps if steps else 0.0,
@@ -92,22 +125,28 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
         flops=sum(r.flops for r in ops),
         communication_us=communication,
         exposed_communication_us=exposed,
+        device_us=device_us if use_device else None,
     )
 
 
-def communication_time(prof: Any) -> tuple[float, float]:
+def communication_time(prof: Any, use_device: bool = False) -> tuple[float, float]:
     """``(communication, exposed communication)`` wall time of a window, in microseconds.
 
-    Communication is the union of the intervals of communication events (``gloo:all_gather``, ``nccl:all_reduce``,
-    c10d's ops, FSDP2's collective spans) on every thread; exposed is the part of that union no compute op (a class
-    other than communication, layout and other, on any thread or stream) overlaps.
+    Communication is the union of the intervals of communication events; exposed is the part of that union no compute
+    overlaps. On CPU both are host events: collectives (``gloo:all_gather``, c10d's ops, FSDP2's collective spans) on
+    every thread, against compute ops (a class other than communication, layout and other). On a GPU both are device
+    events on the device's timeline: NCCL kernels against every other kernel, copy and memset on any stream (a CPU
+    span only says when work was launched, not when it ran).
 
     Args:
         prof: a stopped profiler.
+        use_device: read the device's timeline (a GPU window).
     """
     comm: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
     for e in prof.events():
+        if use_device != on_device(e) or (use_device and getattr(e, "is_user_annotation", False)):
+            continue
         key = getattr(e, "key", None) or e.name
         if is_framework_event(key):
             continue
@@ -115,7 +154,7 @@ def communication_time(prof: Any) -> tuple[float, float]:
         span = (float(e.time_range.start), float(e.time_range.end))
         if cls == "communication":
             comm.append(span)
-        elif cls not in NO_ARITHMETIC:
+        elif use_device or cls not in NO_ARITHMETIC:
             compute.append(span)
     comm, compute = _union(comm), _union(compute)
     total = sum(b - a for a, b in comm)

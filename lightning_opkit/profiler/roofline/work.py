@@ -20,6 +20,7 @@ from lightning_opkit.opclass import (
     fused_kernel_ops,
     is_framework_event,
 )
+from lightning_opkit.profiler.report import on_device
 from lightning_opkit.profiler.roofline.peaks import Peaks
 
 __all__ = ["ClassRoofline", "class_rooflines"]
@@ -267,8 +268,8 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
     tree = _Tree()
     for e in prof.events():
         key = e.key
-        if is_framework_event(key):
-            continue
+        if is_framework_event(key) or on_device(e):
+            continue  # a kernel's device time is its launching op's self device time: counted there, once
         cls = tree.cls(key)
         seconds = float(e.self_device_time_total if use_device else e.self_cpu_time_total) / 1e6
         if cls == "communication":
