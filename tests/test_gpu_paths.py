@@ -177,3 +177,63 @@ def test_fp8_flops_are_not_charged_against_the_fp32_peak():
     assert report.mfu() == pytest.approx(100 * (1e12 / 800e12) / 1e-2)  # the bf16 part only: fp8 has no peak here
     sheet = Peaks("cuda:0", {"fp32": 50.0, "bf16": 800.0}, 4000.0, datasheet_tflops={"fp8": 1979.0})
     assert sheet.peak("fp8") == 1979e12
+
+
+def test_fp16_candidates_are_judged_with_the_loss_scaled_as_training_scales_it():
+    from torch import nn
+
+    from lightning_opkit.precision import measure_precision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    batch = torch.randn(32, 64)
+
+    def cosine(scale):
+        measured = measure_precision(model, lambda: batch, loss_fn=lambda m, b: m(b).mean() * 1e-6, dtypes=["fp16"],
+                                     classes=["matmul"], loss_scale=scale, reps=1)
+        return measured.get("matmul", "fp16").grad_cosine
+
+    # unscaled, fp16 gradients of a small loss underflow and fp16 looks wrong; a GradScaler's 2**16 brings them back
+    assert cosine(None) < 0.9
+    assert cosine(2.0**16) > 0.9999
+
+
+class _BadWhenCompiled(torch.nn.Module):
+    """Identity eagerly; compiled, its output is NaN (as a miscompiled kernel would make it)."""
+
+    def forward(self, x):
+        return x * float("nan") if torch.compiler.is_compiling() else x
+
+
+def test_a_fault_only_the_compiled_step_has_is_said_not_reproduced_in_an_eager_replay(tmp_path):
+    from helpers import TinyNet, make_loader, trainer
+
+    from lightning_opkit import NaNDetector, TorchCompile
+
+    model = TinyNet()
+    model.body[2] = torch.nn.Sequential(torch.nn.ReLU(), _BadWhenCompiled())
+    detector = NaNDetector(action="skip", max_consecutive_skips=100)
+    trainer(tmp_path, [detector, TorchCompile(modules=["body"], backend="eager")], max_steps=2).fit(
+        model, make_loader())
+    report = detector.events[0]
+    assert report["cause"] == "transient"
+    assert "not reproduced in an eager replay of a step that ran compiled" in report["advice"]
+
+
+def test_the_loss_kept_for_the_check_is_a_copy_of_the_steps(tmp_path):
+    # CUDA graphs (mode="reduce-overhead") reuse their output memory at the next replay: the check reads a copy
+    from helpers import TinyNet, make_loader, trainer
+
+    from lightning_opkit import NaNDetector
+
+    seen = []
+
+    class Keep(NaNDetector):
+        def on_before_backward(self, trainer, pl_module, loss):
+            super().on_before_backward(trainer, pl_module, loss)
+            seen.append((loss, self._pending[-1].loss))
+
+    trainer(tmp_path, [Keep()], max_steps=1).fit(TinyNet(), make_loader())
+    loss, kept = seen[0]
+    assert kept.data_ptr() != loss.data_ptr()
+    assert torch.equal(kept, loss.detach())

@@ -171,14 +171,16 @@ def replay_backward(model: nn.Module, loss: Tensor, params: Sequence[Tensor]) ->
             p.grad = grad
 
 
-def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
-             backward: bool = True) -> tuple[Tensor | None, list[Tensor | None]]:
+def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None], backward: bool = True,
+             loss_scale: float | None = None) -> tuple[Tensor | None, list[Tensor | None]]:
     """Run a step's loss (and its gradients, without touching ``.grad``) eagerly, then put the buffers back.
 
     Args:
         model: the root module.
         compute_loss: runs the step's forward and returns the loss.
         backward: also compute the parameters' gradients.
+        loss_scale: differentiate ``loss * loss_scale`` and unscale the gradients in fp32, as a GradScaler does: fp16
+            gradients that would underflow unscaled come out as training would see them.
 
     Returns:
         The detached loss (``None`` if the step returned none) and one gradient (or ``None``) per trainable parameter.
@@ -190,7 +192,10 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None],
             loss = compute_loss()
             grads: list[Tensor | None] = [None] * len(params)
             if backward and loss is not None and loss.requires_grad and params:
-                grads = replay_backward(model, loss, params)
+                scaled = loss if loss_scale is None else loss * loss_scale
+                grads = replay_backward(model, scaled, params)
+                if loss_scale is not None:
+                    grads = [None if g is None else g.float() / loss_scale for g in grads]
         finally:
             reshard(model)
     return (None if loss is None else loss.detach()), grads

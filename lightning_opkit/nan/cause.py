@@ -19,7 +19,7 @@ from lightning_opkit.core.fp32 import fp32_inside
 from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import autocast_off_in, run_step, set_rng_state
 from lightning_opkit.core.text import describe_error
-from lightning_opkit.nan.report import Cause, Origin
+from lightning_opkit.nan.report import Cause, Origin, not_reproduced
 
 __all__ = ["diagnose"]
 
@@ -28,7 +28,8 @@ StepLoss = Callable[[bool], Callable[[], Tensor | None]]
 
 
 def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, named: dict[str, nn.Module],
-             policies: list[Any], batch_idx: int, agree: Callable[[Any], Any] = lambda outcome: outcome) -> Cause:
+             policies: list[Any], batch_idx: int, agree: Callable[[Any], Any] = lambda outcome: outcome,
+             compiled: bool = False) -> Cause:
     """The :class:`~lightning_opkit.nan.report.Cause` of the fault ``found`` (a localization), from two replays.
 
     Args:
@@ -42,6 +43,7 @@ def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, nam
         agree: the culprit rank's outcome of each replay, on every rank: every rank replays its own micro-batch
             with the same module in fp32, and the culprit's outcome decides what runs next, so the replays stay in
             lockstep (an FSDP2 forward all-gathers on every rank).
+        compiled: the step ran compiled (replays run eagerly): said in a ``transient`` cause.
     """
     path = found.module
     culprit = named.get(path) if path else None
@@ -50,7 +52,7 @@ def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, nam
     if failure is None and not again:
         again, failure = agree(_non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=False))
         if failure is None and not again:
-            return Cause("transient", "not reproduced by a second replay as is: non-deterministic code or hardware")
+            return not_reproduced(compiled, by_replay_as_is=True)
         if failure is None:
             fix = (f"PrecisionPolicy(modules={{{path!r}: 'fp32'}})" if culprit is not None
                    else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
-from lightning_opkit.core.kit import RunsModulesInDtype, offering
+from lightning_opkit.core.kit import CompilesRegions, RunsModulesInDtype, offering
 from lightning_opkit.core.ranks import Ranks
 from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
@@ -33,12 +33,25 @@ from lightning_opkit.core.text import markdown_table
 from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import bad_gradient_shard, check_step
 from lightning_opkit.nan.locate import locate
-from lightning_opkit.nan.report import SHARD_ONLY, TRANSIENT, Cause, NaNReport, NonFiniteError, Origin, format_report
+from lightning_opkit.nan.report import (
+    SHARD_ONLY,
+    Cause,
+    NaNReport,
+    NonFiniteError,
+    Origin,
+    format_report,
+    not_reproduced,
+)
 from lightning_opkit.nan.skip import BatchState, StepSkipper
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
 _ACTIONS = ("raise", "skip", "warn", "stop")
+
+
+def _ran_compiled(trainer: pl.Trainer) -> bool:
+    """Whether the step ran (partly) compiled: every replay runs eagerly, so not reproducing a fault says less."""
+    return any(c.compiled for c in offering(trainer, CompilesRegions))
 
 
 def _from_rank(ranks: Ranks, rank: int, value: Any) -> Any:
@@ -194,7 +207,8 @@ class NaNDetector(OpkitCallback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._skipper.state is BatchState.CHECKING and self._pending:
-            self._pending[-1].loss = loss.detach()
+            # a copy: under CUDA graphs (mode="reduce-overhead") the loss lives in memory the next replay reuses
+            self._pending[-1].loss = loss.detach().clone()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -247,7 +261,7 @@ class NaNDetector(OpkitCallback):
             rank, origin = found[0]
             return self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank)
         unseen = Origin(phase="loss" if loss_bad else "backward", module=None)
-        return self._new_report(trainer, batch_idx, unseen, TRANSIENT, 0)
+        return self._new_report(trainer, batch_idx, unseen, not_reproduced(_ran_compiled(trainer)), 0)
 
     def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
                     rank: int) -> NaNReport:
@@ -267,7 +281,8 @@ class NaNDetector(OpkitCallback):
         """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit.nan.cause.diagnose`."""
         policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))  # a policy runs it in fp32
         return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
-                        origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree)
+                        origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree,
+                        compiled=_ran_compiled(trainer))
 
     def _act(self, trainer: pl.Trainer, report: NaNReport) -> None:
         self.reports.append(report)

@@ -66,6 +66,31 @@ class Cause:
 
 #: what a fault the check saw and no replay reproduced is put down to
 TRANSIENT = Cause("transient", "seen by the check, not reproduced by the replay: non-deterministic code or hardware")
+#: the same, where the step ran compiled and every replay runs eagerly
+TRANSIENT_COMPILED = Cause("transient", "seen by the check, not reproduced in an eager replay of a step that ran"
+                                        " compiled: the compiled code (Inductor's kernels, CUDA graphs) may compute"
+                                        " differently from eager, so suspect it first (TorchCompile off for a run"
+                                        " tells), then non-deterministic code or hardware")
+
+
+def not_reproduced(compiled: bool, by_replay_as_is: bool = False) -> Cause:
+    """The ``transient`` cause: not reproduced, in words that say whether the step ran compiled.
+
+    Args:
+        compiled: the step ran compiled; replays run eagerly, so "not reproduced" says less.
+        by_replay_as_is: a cause replay did not reproduce what the localization replay had seen.
+
+    Example:
+        >>> not_reproduced(compiled=False).advice
+        'seen by the check, not reproduced by the replay: non-deterministic code or hardware'
+    """
+    if not by_replay_as_is:
+        return TRANSIENT_COMPILED if compiled else TRANSIENT
+    if compiled:
+        return Cause("transient", "not reproduced by a second eager replay of a step that ran compiled: the"
+                                  " compiled code may compute differently from eager, or the code or hardware is"
+                                  " non-deterministic")
+    return Cause("transient", "not reproduced by a second replay as is: non-deterministic code or hardware")
 #: a sharded gradient found non-finite in the step's own shards, which a replay's parameter hooks do not see
 SHARD_ONLY = Cause("unknown", "found in the step's own gradient shard; a sharded parameter's gradient is reduced"
                               " outside autograd, so no replay can tell where in backward it went non-finite")

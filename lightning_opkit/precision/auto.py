@@ -69,6 +69,7 @@ class AutoPrecision:
         self.per_class: dict[str, tuple[str, str]] = {}  # rank zero's per-class decisions: (dtype, why)
         self._trials: Trials | None = None
         self._trial_step: tuple[str, float] | None = None  # the contender of this batch and when it began
+        self._loss_scale: float | None = None
 
     @property
     def measure_seconds(self) -> float:
@@ -89,7 +90,8 @@ class AutoPrecision:
     # measure and decide
 
     def measure_and_decide(self, model: Any, batch: Any, training_step: Callable[..., Any], batch_idx: int,
-                           dtypes: list[str], agree: Agree, compiled: bool, accumulating: bool) -> Plan:
+                           dtypes: list[str], agree: Agree, compiled: bool, accumulating: bool,
+                           loss_scale: float | None = None) -> Plan:
         """Measure on ``batch`` (its first rows, with ``whole_step``), decide, and say what to run now.
 
         Args:
@@ -101,8 +103,11 @@ class AutoPrecision:
             agree: rank zero's value on every rank.
             compiled: TorchCompile is attached (compiled ties go to plain autocast; no trials).
             accumulating: gradient accumulation (no trials).
+            loss_scale: the GradScaler's scale, where training scales the loss: every run differentiates the loss
+                scaled like that, so fp16 gradients are judged as training gets them.
         """
         loss_fn = _loss_fn(training_step, batch_idx)
+        self._loss_scale = loss_scale
         if self.whole_step:
             # Per-class timings on the rows the candidates run on: they only rank and prune the candidates, whose
             # own runs decide; errors are measured per table, as a whole.
@@ -138,7 +143,8 @@ class AutoPrecision:
                            " the optimizers); the policy keeps its table.")
             return None
         try:
-            return measure_precision(model, lambda: batch, device=model.device, loss_fn=loss_fn, **kwargs)
+            return measure_precision(model, lambda: batch, device=model.device, loss_fn=loss_fn,
+                                     loss_scale=self._loss_scale, **kwargs)
         except Exception as err:  # a measurement that fails must not end the training it was meant to speed up
             rank_zero_warn(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
                            f" keeps its table (every class in fp32).")
@@ -150,7 +156,7 @@ class AutoPrecision:
         low = per_class["matmul"] if per_class.get("matmul") in dtypes else dtypes[0]
         tables = candidate_tables(per_class, sorted(per_class, key=OP_CLASSES.index), low)
         sub, n = first_rows(batch)
-        runner = StepRunner(model, sub, loss_fn)
+        runner = StepRunner(model, sub, loss_fn, self._loss_scale)
         try:
             with runner.session():
                 return choose_table(runner, tables, rows, self.tolerance, n, low, agree=agree, compiled=compiled)

@@ -94,6 +94,7 @@ def measure_precision(
     classes: Sequence[str] | None = None,
     errors: bool = True,
     reps: int = 5,
+    loss_scale: float | None = None,
 ) -> PrecisionMeasurements:
     """Measure each op class's speed and error in each 16-bit dtype, on this device and this model.
 
@@ -109,6 +110,8 @@ def measure_precision(
         classes: the op classes to measure; ``None`` = every governed class the model runs.
         errors: also measure errors (one extra forward + backward per class and dtype); speed only if ``False``.
         reps: timed repetitions per op shape (the median is kept).
+        loss_scale: the GradScaler's scale where training scales the loss (fp16): gradients are compared as
+            training gets them, scaled then unscaled, not underflowed.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
@@ -120,7 +123,7 @@ def measure_precision(
     """
     began = time.perf_counter()
     device, names = check_arguments(model, device, dtypes, classes)
-    runner = StepRunner(model, move_data_to_device(batch_fn(), device), loss_fn or _default_loss)
+    runner = StepRunner(model, move_data_to_device(batch_fn(), device), loss_fn or _default_loss, loss_scale)
     notes: list[str] = []
     with runner.session():
         log, ref_loss, ref_grads = record_ops(runner)

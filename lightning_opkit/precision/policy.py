@@ -271,13 +271,15 @@ class PrecisionPolicy(OpkitCallback):
 
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                             batch_idx: int) -> None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        grad_scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = grad_scaler is not None
         compiled = any(offering(trainer, CompilesRegions))
         plan = self._auto.measure_and_decide(
             pl_module, batch, self._originals["training_step"], batch_idx,
             dtypes=["bf16", "fp16"] if scaler else ["bf16"],  # fp16 only where a GradScaler scales the loss
             agree=lambda value: trainer.strategy.broadcast(value, src=0), compiled=compiled,
-            accumulating=trainer.accumulate_grad_batches > 1)
+            accumulating=trainer.accumulate_grad_batches > 1,
+            loss_scale=float(grad_scaler.get_scale()) if grad_scaler is not None else None)
         self._apply(pl_module, plan)
         self._log_decision(trainer.global_step)
         if self.measurements is not None:

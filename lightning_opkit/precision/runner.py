@@ -41,10 +41,13 @@ class StepRunner:
         model: the model, on its device.
         batch: the batch, on that device.
         loss_fn: ``(model, batch) -> scalar loss``.
+        loss_scale: differentiate the loss scaled by this and unscale the gradients, as the run's GradScaler does
+            (fp16 candidates are judged by the gradients training would get, not by unscaled ones that underflow).
     """
 
-    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Tensor]) -> None:
-        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Tensor],
+                 loss_scale: float | None = None) -> None:
+        self.model, self.batch, self.loss_fn, self.loss_scale = model, batch, loss_fn, loss_scale
         self.state = ModeState(FP32_TABLE)
         self.mode = PolicyMode(self.state)
         self._reset: Callable[[], None] | None = None
@@ -91,7 +94,8 @@ class StepRunner:
                 return self.loss_fn(self.model, self.batch)
 
         try:
-            value, grads = run_step(self.model, loss)  # a frozen model: no gradients, the loss alone says it
+            # a frozen model: no gradients, the loss alone says it
+            value, grads = run_step(self.model, loss, loss_scale=self.loss_scale)
         finally:
             self.state.census = None
             self.state.set_table(FP32_TABLE)
