@@ -12,7 +12,6 @@ Logged (rank zero): ``opkit/compile/compile_time_s``, ``compiles``, ``graphs``, 
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from typing import Any, Literal, Optional, Union
 
@@ -31,6 +30,7 @@ from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.select import find_blocks, resolve_modules
 from lightning_opkit.core.text import describe_error
+from lightning_opkit.core.timing import StepClock
 
 __all__ = ["TorchCompile"]
 
@@ -107,9 +107,9 @@ class TorchCompile(OpkitCallback):
         self.regions: dict[str, Region] = {}
         #: the compile error, when training fell back to eager
         self.error: str | None = None
-        self.step_times_s: list[float] = []
+        self._clock = StepClock()  # steady steps, on the device's clock
+        self._logged_at = 0
         self.watch = DynamoWatch()
-        self._t0: float | None = None
         self._compiles_at_start = 0
         self._reported: tuple[int, int, int] = (-1, -1, -1)
         self._reported_regions: tuple[Any, ...] = ()
@@ -117,6 +117,11 @@ class TorchCompile(OpkitCallback):
         self._checked_frames = False
         self._configs: list[Any] = []  # dynamo / Inductor config patches entered for the fit
         self._limit_hit: set[Any] = set()
+
+    @property
+    def step_times_s(self) -> list[float]:
+        """Steady steps' times (no compile in them), in seconds, on the device's clock (CUDA events on a GPU)."""
+        return self._clock.seconds()
 
     # lifecycle
 
@@ -240,14 +245,13 @@ class TorchCompile(OpkitCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._compiles_at_start = self.watch.compiles
-        self._t0 = time.perf_counter()
+        self._clock.start(pl_module.device)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._t0 is not None and self.watch.compiles == self._compiles_at_start and self.error is None:
-            self.step_times_s.append(time.perf_counter() - self._t0)  # steady state: nothing compiled this step
-        self._t0 = None
+        # steady state only: nothing compiled in this step
+        self._clock.stop(keep=self.watch.compiles == self._compiles_at_start and self.error is None)
         self._batches += 1
         if self._batches >= 2:
             self._check_frames()
@@ -280,9 +284,11 @@ class TorchCompile(OpkitCallback):
             self._reported_regions = regions
             writer.table("opkit/compile/regions", REGION_HEADERS, [r.row() for r in self.regions.values()], step)
             writer.scalar("opkit/compile/eager_regions", sum(r.eager for r in self.regions.values()), step)
-        steady = self.step_times_s
-        every = int(getattr(trainer, "log_every_n_steps", 50))  # set by Lightning at init, not declared
-        if steady and (final or len(steady) % max(1, every) == 0):
+        steady = self._clock.seconds(wait=final)
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50)))  # set by Lightning at init, not declared
+        # on CUDA a step's time arrives once its events completed: logged when the count passes a multiple
+        if steady and (final or len(steady) // every > self._logged_at // every):
+            self._logged_at = len(steady)
             writer.scalar("opkit/compile/step_time_ms", 1e3 * statistics.median(steady[-100:]), step)
         if final:
             writer.flush()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["best_seconds", "per_call_seconds", "sync"]
+__all__ = ["StepClock", "best_seconds", "per_call_seconds", "sync"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -80,3 +80,51 @@ def best_seconds(fn: Callable[[], Any], device: torch.device | str, reps: int = 
     for _ in range(reps):
         best = min(best, per_call_seconds(fn, device, calls))
     return best
+
+
+class StepClock:
+    """Step times on the device's clock, taken without a host synchronization.
+
+    On CUDA a step is two events recorded in the stream; its time is read later, once both have completed
+    (:meth:`seconds`), so a step never waits for the GPU to be timed. Elsewhere, the host clock.
+
+    Example:
+        >>> clock = StepClock()
+        >>> clock.start("cpu")
+        >>> clock.stop(keep=True)
+        >>> len(clock.seconds())
+        1
+    """
+
+    def __init__(self) -> None:
+        self._open: Any = None
+        self._pending: list[tuple[Any, Any]] = []
+        self._done: list[float] = []
+
+    def start(self, device: torch.device | str) -> None:
+        """A step begins on ``device``."""
+        if torch.device(device).type == "cuda":
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
+        else:
+            self._open = time.perf_counter()
+
+    def stop(self, keep: bool) -> None:
+        """The step ends; ``keep`` it among the step times, or drop it (a step that compiled, say)."""
+        began, self._open = self._open, None
+        if began is None or not keep:
+            return
+        if isinstance(began, float):
+            self._done.append(time.perf_counter() - began)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((began, end))
+
+    def seconds(self, wait: bool = False) -> list[float]:
+        """Every kept step's time so far, oldest first (on CUDA those whose events completed; all with ``wait``)."""
+        while self._pending and (wait or self._pending[0][1].query()):
+            began, end = self._pending.pop(0)
+            end.synchronize()
+            self._done.append(began.elapsed_time(end) / 1e3)
+        return self._done
