@@ -1,13 +1,19 @@
-"""Steps leave no garbage in reference cycles: memory is freed when a step's objects go, not at a full collection."""
+"""Steps leave no garbage in reference cycles: memory is freed when a step's objects go, not at a full collection.
+
+Each scenario runs in a fresh interpreter: what earlier tests compiled or profiled is freed whenever torch's caches
+let go, which would land in whichever test is counting.
+"""
 
 import collections
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import lightning.pytorch as pl
-from helpers import TinyNet, make_loader, trainer
-from zoo import build
 
-from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _ours(obj) -> bool:
@@ -21,8 +27,8 @@ class _Garbage(pl.Callback):
 
     def __init__(self, start: int, end: int) -> None:
         self.start, self.end = start, end
-        self.found: collections.Counter[str] | None = None
-        self.ours: list = []
+        self.found: collections.Counter[str] = collections.Counter()
+        self.ours: list[str] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.start:
@@ -31,61 +37,74 @@ class _Garbage(pl.Callback):
         elif trainer.global_step == self.end:
             gc.collect()
             self.found = collections.Counter(type(x).__name__ for x in gc.garbage)
-            self.ours = [x for x in gc.garbage if _ours(x)]
+            self.ours = [repr(x)[:80] for x in gc.garbage if _ours(x)]
             gc.set_debug(0)
             gc.garbage.clear()
 
 
-def _callbacks(compile: bool = True):
-    return [PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=3), NaNDetector(action="skip"),
-            ProfilerWindows(every_n_steps=20, warmup=1, active=2, roofline=True),
-            *([TorchCompile(modules="auto", backend="eager")] if compile else [])]
+def _scenario(name: str, root: str) -> dict:
+    from helpers import TinyNet, make_loader, trainer
+    from zoo import build
+
+    from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
+
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=3)
+    windows = ProfilerWindows(every_n_steps=20, warmup=1, active=2, roofline=True)
+    detector = NaNDetector(action="skip")
+    if name == "healthy":  # census steps, checked steps
+        garbage, model, callbacks, steps = _Garbage(4, 16), build("torch_encoder"), [policy, detector, windows], 17
+    elif name == "compiled":  # and compiled regions (dynamo's own compile-time structures are dynamo's)
+        garbage, model, steps = _Garbage(6, 16), build("torch_encoder"), 17
+        callbacks = [policy, detector, windows, TorchCompile(modules="auto", backend="eager")]
+    elif name == "skipped":  # the slow path: localization and cause replays, the skip, the report
+        garbage, model, callbacks, steps = _Garbage(4, 16), TinyNet(forward_steps=(9,)), [policy, detector], 17
+    else:  # a profiler window (steps 20-23, roofline on)
+        garbage, model, callbacks, steps = _Garbage(16, 26), build("torch_encoder"), [policy, detector, windows], 27
+    loader = make_loader(n=256) if isinstance(model, TinyNet) else model.loader(n=160)
+    trainer(root, [*callbacks, garbage], max_steps=steps).fit(model, loader)
+    return {"found": dict(garbage.found), "ours": garbage.ours, "events": [e["step"] for e in detector.events]}
+
+
+def _run(name: str, tmp_path) -> dict:
+    proc = subprocess.run([sys.executable, __file__, name, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(HERE),
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_healthy_steps_leave_no_garbage_in_cycles(tmp_path):
-    # census steps, checked steps: nothing left for the collector
-    garbage = _Garbage(start=4, end=16)
-    model = build("torch_encoder")
-    trainer(tmp_path, [*_callbacks(compile=False), garbage], max_steps=17).fit(model, model.loader(n=160))
-    assert garbage.found is not None
-    assert sum(garbage.found.values()) == 0, garbage.found.most_common(10)
+    result = _run("healthy", tmp_path)
+    assert sum(result["found"].values()) == 0, result["found"]
 
 
 def test_compiled_steps_leave_no_garbage_of_ours(tmp_path):
-    # compiled regions too; dynamo's own compile-time structures (freed whenever its caches let go, in whichever test
-    # that falls) are dynamo's, so the check is that nothing of opkit's is left in a cycle
-    garbage = _Garbage(start=4, end=16)
-    model = build("torch_encoder")
-    trainer(tmp_path, [*_callbacks(), garbage], max_steps=17).fit(model, model.loader(n=160))
-    assert garbage.found is not None
-    assert garbage.ours == []
-    assert garbage.found["FunctionEvent"] == 0
+    result = _run("compiled", tmp_path)
+    assert result["ours"] == []
+    assert result["found"].get("FunctionEvent", 0) == 0
 
 
-def test_a_skipped_step_leaves_no_garbage_in_cycles(tmp_path):
-    # the slow path: localization and cause replays, the skip, the report
-    garbage = _Garbage(start=4, end=16)
-    detector = NaNDetector(action="skip")
-    trainer(tmp_path, [PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=3), detector, garbage],
-            max_steps=17).fit(TinyNet(forward_steps=(9,)), make_loader(n=256))
-    assert [e["step"] for e in detector.events] == [9]
-    assert garbage.found is not None
-    assert garbage.ours == []
+def test_a_skipped_step_leaves_no_garbage_of_ours(tmp_path):
+    result = _run("skipped", tmp_path)
+    assert result["events"] == [9]
+    assert result["ours"] == []
     # torch's own pytree flattening leaves a closure that refers to itself (tree_flatten's ``helper``) per call; the
     # replays make a few such calls, nothing more
-    assert sum(garbage.found.values()) < 50, garbage.found.most_common(10)
+    assert sum(result["found"].values()) < 50, result["found"]
 
 
 def test_a_profiler_window_frees_its_events(tmp_path):
-    # the window (steps 20-23, roofline on) parses thousands of profiler events into a tree of parents and children;
-    # release unlinks it, so none waits for a full collection. The roofline picture is a matplotlib figure, a web of
-    # references by design: one per window, bounded.
-    garbage = _Garbage(start=16, end=26)
-    model = build("torch_encoder")
-    trainer(tmp_path, [*_callbacks(), garbage], max_steps=27).fit(model, model.loader(n=160))
-    assert garbage.found is not None
-    assert garbage.found["FunctionEvent"] == 0
-    assert garbage.found["Interval"] == 0
-    assert garbage.found["frame"] == 0  # no exception kept alive with its traceback
-    assert garbage.ours == []
-    assert sum(garbage.found.values()) < 6000, garbage.found.most_common(10)
+    # the window parses thousands of profiler events into a tree of parents and children; release unlinks it, so none
+    # waits for a full collection. The roofline picture is a matplotlib figure, a web of references by design: one
+    # per window, bounded.
+    result = _run("window", tmp_path)
+    found = result["found"]
+    assert found.get("FunctionEvent", 0) == 0
+    assert found.get("Interval", 0) == 0
+    assert found.get("frame", 0) == 0  # no exception kept alive with its traceback
+    assert result["ours"] == []
+    assert sum(found.values()) < 6000, sorted(found.items(), key=lambda kv: -kv[1])[:10]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_scenario(sys.argv[1], sys.argv[2])))

@@ -1,0 +1,73 @@
+"""The torch and Lightning names opkit calls, private ones included: one place that says what a new (or the oldest
+supported) release must still have. pyproject.toml's floors are the oldest versions opkit has run on: torch 2.11 and
+Lightning 2.6 (benchmarks/gpu_checks.py on a lent H200), the pinned constraints.txt versions in CI."""
+
+import importlib
+import re
+
+import pytest
+import tomllib
+import torch
+from packaging.version import Version
+
+from lightning_opkit import __file__ as package_file
+
+NAMES = [
+    # dynamo and Inductor: TorchCompile, the policy's mode, the precision auto-measurement
+    "torch.compiler.set_stance", "torch.compiler.is_compiling", "torch._dynamo.config.patch",
+    "torch._dynamo.callback_handler.register_start_callback", "torch._dynamo.callback_handler.remove_end_callback",
+    "torch._dynamo.utils.counters", "torch._dynamo.eval_frame.skip_code", "torch._dynamo.eval_frame._stance",
+    "torch._dynamo.assume_constant_result", "torch._dynamo.lookup_backend", "torch._dynamo.list_backends",
+    "torch._C._dynamo.eval_frame._debug_get_cache_entry_list", "torch._logging._internal.log_state",
+    "torch._TorchCompileInductorWrapper", "torch._TorchCompileWrapper", "torch._inductor.config.get_config_copy",
+    "torch._inductor.list_mode_options", "torch._dynamo.exc.FailOnRecompileLimitHit",
+    # profiler windows and the roofline
+    "torch.profiler.ProfilerAction", "torch.autograd.profiler._is_profiler_enabled", "torch.autograd.DeviceType",
+    "torch.autograd.profiler_util.FunctionEvent", "torch.utils.flop_counter.sdpa_flop_count",
+    "torch.utils.flop_counter.sdpa_backward_flop_count", "torch.utils.flop_counter.conv_backward_flop",
+    # the check, replays, sharded training
+    "torch._foreach_norm", "torch._foreach_copy_", "torch.utils._pytree.tree_map", "torch.utils._pytree.tree_leaves",
+    "torch.distributed.fsdp.FSDPModule", "torch.cuda.Event", "torch.overrides.TorchFunctionMode",
+    "torch.backends.cuda.matmul.fp32_precision",
+]
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_names_opkit_calls_exist(name):
+    assert _resolve(name) is not None
+
+
+def test_foreach_norm_takes_a_result_dtype():
+    # the per-step check's norms in fp32, whatever the gradients' dtype
+    (norm,) = torch._foreach_norm([torch.ones(4, dtype=torch.half)], 2, dtype=torch.float32)
+    assert norm.dtype == torch.float32
+
+
+def test_conv_backward_flop_formula_is_reachable_unregistered():
+    from torch.utils import flop_counter
+
+    assert callable(flop_counter.conv_backward_flop.__wrapped__)
+
+
+def test_the_declared_floors_are_met_here():
+    with open(package_file.replace("lightning_opkit/__init__.py", "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    floors = dict(re.match(r"([a-z_]+)(?:\[\w+\])?>=([\d.]+)", d).groups() for d in deps if ">=" in d)
+    assert Version(floors["torch"]) >= Version("2.11")
+    assert Version(torch.__version__.split("+")[0]) >= Version(floors["torch"])
+    import lightning
+
+    assert Version(lightning.__version__) >= Version(floors["lightning"])
