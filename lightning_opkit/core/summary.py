@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_opkit.core.facts import new_facts
 from lightning_opkit.core.kit import members
 from lightning_opkit.core.logging import LogWriter
 
@@ -62,6 +63,8 @@ def start_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter) -> None
         writer: its writer.
     """
     callback._opkit_summarized = False
+    if is_first(trainer, callback):
+        new_facts(trainer)  # a new fit measures anew; the first callback's setup runs before the others'
     write_layout(trainer, callback, writer)
 
 

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.precision.auto import AutoPrecision, Plan
@@ -121,6 +122,7 @@ class PrecisionPolicy(OpkitCallback):
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
 
         self._governor = StepGovernor(self.table)
+        self._facts: RunFacts | None = None
         self._measured_at: int | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
 
@@ -210,6 +212,8 @@ class PrecisionPolicy(OpkitCallback):
             original = self._originals[method] = getattr(pl_module, method)
             self._patches.set(pl_module, method, self._governor.wrap(original, method == "training_step"))
         self._open_writer(trainer, stage)
+        self._facts = facts_of(trainer)
+        self._record_facts()
         self._measured_at = None
         self._governor.passthrough, self._governor.autocast = False, None
         self._auto.reset()
@@ -246,6 +250,26 @@ class PrecisionPolicy(OpkitCallback):
             all(table[c] == "fp32" for c in GOVERNED)
             and all(t.dtype == torch.float32 for t in (*pl_module.parameters(), *pl_module.buffers())
                     if t.is_floating_point())))
+        self._record_facts()
+
+    def _record_facts(self) -> None:
+        """Tell the kit what runs in which dtype, what was measured, and why a class stays in fp32."""
+        facts = self._facts
+        if facts is None:
+            return
+        facts.dtypes = {c: d for c, d in self.table.items() if c in GOVERNED and d != "keep"}
+        facts.kept_fp32 = {c: (self.decisions[c].reason if c in self.decisions else "set to fp32 by its rules")
+                           for c, d in facts.dtypes.items() if d == "fp32"}
+        measured = self.measurements
+        if measured is None:
+            return
+        source = ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") + \
+            f" at step {self._measured_at}"
+        for row in measured:
+            if row.speed is not None and not row.failed:
+                facts.speeds[(row.op_class, row.dtype)] = SpeedFact(
+                    row.op_class, row.dtype, row.speed, "this model's ops at the shapes of its first training step,"
+                    " forward + backward, input casts included", source)
 
     # batches: measure, trial, census
 
@@ -295,6 +319,7 @@ class PrecisionPolicy(OpkitCallback):
         log, self._governor.recorded = self._governor.recorded, None
         if log is not None:
             self._speed_measurements = check_speed(log, pl_module.device, self.table)
+            self._record_facts()
             if self._writer is not None and self._speed_measurements is not None:
                 self._writer.text("opkit/precision/sensitivity", self._speed_measurements.table(
                     {c: self.table[c] for c in lowered(self.table)}), trainer.global_step)

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_int
+from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.logging import run_log_dir
 from lightning_opkit.core.select import find_blocks
 from lightning_opkit.profiler.log import log_window
@@ -280,7 +281,7 @@ class ProfilerWindows(OpkitCallback):
                 window.prof, report.steps, report.step_time_ms / 1e3, device=trainer.strategy.root_device,
                 communication_seconds=report.communication_us / 1e6,
                 exposed_communication_seconds=report.exposed_communication_us / 1e6, link_gbps=self._link_gbps,
-                blocks=self._blocks, cuda=window.uses_cuda)
+                blocks=self._blocks, cuda=window.uses_cuda, facts=facts_of(trainer), window=self.windows_done)
         except Exception as err:  # measuring the peaks can run out of memory beside the model: not worth the run
             self._roofline_off = True
             self.last_roofline = None

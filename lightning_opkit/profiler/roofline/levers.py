@@ -1,7 +1,9 @@
 """What to do about each op class of a window, in words, and the measurement each lever rests on.
 
-A lever is only suggested where a measurement supports it: a lower precision only where its GEMM peak was measured
-faster on this device, fusion only where the class is memory-bound and not fused already.
+A lever is only suggested where a measurement of this run supports it, and it names that measurement (the run's
+shared facts, :mod:`lightning_opkit.core.facts`): a lower precision only where a 16-bit time measured at this model's
+shapes beats fp32 (by a precision policy, else by the roofline itself), never for a class a policy measured and kept
+in fp32; fusion only where the class is memory-bound and nothing is compiled yet.
 """
 
 from __future__ import annotations
@@ -9,16 +11,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_opkit.opclass import GEMM_CLASSES
-from lightning_opkit.profiler.roofline.peaks import Peaks
 from lightning_opkit.profiler.roofline.work import ClassRoofline
 
 if TYPE_CHECKING:
     from lightning_opkit.profiler.roofline.report import RooflineReport
 
-__all__ = ["block_glob", "lever"]
+__all__ = ["block_glob", "lever", "precision_lever"]
 
-#: a lower precision counts as a lever only when its measured GEMM peak beats fp32's by this factor
-_FASTER = 1.5
+#: a lower precision counts as a lever only when measured this much faster than fp32 (the precision policy's own bar)
+_FASTER = 1.05
 
 
 def block_glob(blocks: list[str]) -> str | None:
@@ -40,41 +41,62 @@ def _compile_call(report: RooflineReport) -> str:
     return f"TorchCompile(modules=['{target}'])" if target else "TorchCompile()"
 
 
-def _lower_precision(peaks: Peaks) -> tuple[str, float] | None:
-    """The fastest 16-bit dtype whose measured GEMM peak beats fp32's by :data:`_FASTER`: ``(name, speedup)``."""
-    fp32 = peaks.gemm_tflops.get("fp32", 0.0)
-    best = max(((d, t / fp32) for d, t in peaks.gemm_tflops.items() if d in ("bf16", "fp16") and fp32),
-               key=lambda kv: kv[1], default=None)
-    return best if best is not None and best[1] >= _FASTER else None
+def precision_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, str] | None:
+    """``(actionable, words)`` about running an fp32 class in 16-bit, from this run's measurements; ``None``: none.
+
+    A precision policy that decides the class has the last word: what it runs in fp32 it measured (or was told) to.
+    Without one, a 16-bit time measured at this model's shapes (the roofline's own, from the window's GEMMs) decides.
+    """
+    facts = report.facts
+    if facts is None or not row.dtype.startswith("fp32"):
+        return None
+    cls = row.op_class
+    speed = facts.speed(cls)
+    if cls in facts.dtypes:  # a precision policy decides it, and runs it in fp32
+        evidence = speed.phrase() if speed is not None else facts.kept_fp32.get(cls, "its rules")
+        return False, f"kept in fp32 by the precision policy ({evidence}): no precision lever"
+    if speed is None:
+        return None
+    if speed.ratio * _FASTER <= 1:
+        return True, f"{speed.phrase()}: PrecisionPolicy(rules={{'{cls}': '{speed.dtype}'}}) or rules='auto'"
+    return False, f"{speed.phrase()}: no precision lever here"
 
 
 def _gemm_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: float) -> str:
     peaks = report.peaks
-    lower = _lower_precision(peaks)
     if kind == "memory":
         ridge = peaks.peak(row.dtype.split("+")[0]) / (peaks.bandwidth_gbps * 1e9)
         return (f"memory-bound at {row.intensity:.1f} FLOP/B, left of the ridge ({ridge:.1f} FLOP/B): larger GEMMs"
                 " (a bigger batch or sequence) raise its intensity")
-    if row.dtype.startswith("fp32") and lower is not None:
-        name, speedup = lower
-        pct_lower = 100 * row.tflops / peaks.gemm_tflops[name]
-        return (f"in fp32 at {pct_lower:.0f}% of the measured {name} peak ({peaks.gemm_tflops[name]:.3g} TFLOP/s,"
-                f" {speedup:.1f}x fp32's): PrecisionPolicy(rules={{'{row.op_class}': '{name}'}}) or rules='auto'")
-    if row.dtype.startswith("fp32") and peaks.gemm_tflops.get("bf16"):
-        slower = peaks.gemm_tflops["fp32"] / peaks.gemm_tflops["bf16"]
-        if slower > 1:
-            return (f"compute-bound at {pct:.0f}% of the fp32 peak; bf16 GEMMs measured {slower:.1f}x slower on this"
-                    " device: no precision lever here")
+    precision = precision_lever(row, report)
+    if precision is not None and precision[0]:
+        return f"compute-bound at {pct:.0f}% of its fp32 peak; {precision[1]}"
     if pct >= 50:
-        return f"compute-bound at {pct:.0f}% of its peak: near the roof; only less work helps"
-    return (f"compute-bound at only {pct:.0f}% of its peak: small or oddly shaped GEMMs; a bigger batch, widths in"
-            " multiples of 64")
+        text = f"compute-bound at {pct:.0f}% of its peak: near the roof; only less work helps"
+    else:
+        text = (f"compute-bound at only {pct:.0f}% of its peak: small or oddly shaped GEMMs; a bigger batch, widths in"
+                " multiples of 64")
+    return text + (f"; {precision[1]}" if precision is not None else "")
+
+
+def _compiled(report: RooflineReport) -> bool:
+    """Whether the model is compiled already: fused kernels ran in the window, or TorchCompile compiled regions."""
+    return report.compiled or bool(report.facts is not None and report.facts.compiled)
+
+
+def _eager_note(report: RooflineReport) -> str:
+    """Regions TorchCompile runs eagerly because compiled measured slower: said wherever fusion would be suggested."""
+    eager = report.facts.eager_regions if report.facts is not None else {}
+    if not eager:
+        return ""
+    shown = ", ".join(f"{name} ({speed:.2f}x)" for name, speed in list(eager.items())[:3])
+    return f"; TorchCompile measured these regions slower compiled (eager/compiled time) and runs them eager: {shown}"
 
 
 def _overhead_lever(row: ClassRoofline, report: RooflineReport, pct: float) -> str:
     per_call = 1e6 * row.seconds / max(row.calls, 1)
     options = []
-    if not report.compiled:
+    if not _compiled(report):
         options.append(_compile_call(report))
     if report.cuda:
         options.append("CUDA graphs (TorchCompile(mode='reduce-overhead'))")
@@ -112,12 +134,12 @@ def lever(row: ClassRoofline, report: RooflineReport) -> str:
 
 def _elementwise_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: float) -> str:
     peaks = report.peaks
-    if kind == "memory" and not report.compiled:
+    if kind == "memory" and not _compiled(report):
         return (f"memory-bound at {row.pct_bandwidth(peaks):.0f}% of the measured bandwidth"
                 f" ({peaks.bandwidth_gbps:.1f} GB/s): fuse it with its neighbours: {_compile_call(report)}")
     if kind == "memory":
-        return (f"memory-bound at {row.pct_bandwidth(peaks):.0f}% of the measured bandwidth, after fusion: fewer"
-                " bytes (smaller activations) is what is left")
+        return (f"memory-bound at {row.pct_bandwidth(peaks):.0f}% of the measured bandwidth, compiled already: fewer"
+                " bytes (smaller activations) is what is left" + _eager_note(report))
     return f"compute-bound at {pct:.0f}% of the GEMM peak: unusual for {row.op_class}; check its op mix"
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_opkit.core.facts import RunFacts
 from lightning_opkit.opclass import GEMM_CLASSES
+from lightning_opkit.profiler.roofline.gemm_speed import gemm_speed
 from lightning_opkit.profiler.roofline.levers import lever
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
@@ -29,6 +31,7 @@ class RooflineReport:
         exposed_communication_seconds: communication wall time per window not hidden behind compute.
         blocks: the model's repeated blocks (``find_blocks``), named in the fusion lever.
         cuda: whether the window ran on a GPU (CUDA graphs are a lever there only).
+        facts: what this run measured (the kit's shared facts): the levers rest on them.
     """
 
     rows: dict[str, ClassRoofline]
@@ -38,6 +41,7 @@ class RooflineReport:
     exposed_communication_seconds: float = 0.0
     blocks: list[str] = field(default_factory=list)
     cuda: bool = False
+    facts: RunFacts | None = None
 
     @property
     def compiled(self) -> bool:
@@ -80,7 +84,8 @@ class RooflineReport:
 
 def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, communication_seconds: float = 0.0,
                  exposed_communication_seconds: float = 0.0, link_gbps: float | None = None,
-                 blocks: list[str] | None = None, cuda: bool = False) -> RooflineReport:
+                 blocks: list[str] | None = None, cuda: bool = False, facts: RunFacts | None = None,
+                 window: int = 0) -> RooflineReport:
     """A stopped window's roofline: work per class from the trace, peaks measured (once per process) for its dtypes.
 
     Args:
@@ -93,10 +98,21 @@ def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, com
         link_gbps: the process group's measured all_reduce bandwidth.
         blocks: the model's repeated blocks, for the fusion lever.
         cuda: the window ran on a GPU (device self times).
+        facts: the run's shared facts: the peaks go there, and, where no precision policy runs, the window's own
+            bf16 timing at its GEMM shapes (once a run).
+        window: the window's number (for the facts' sources).
     """
     rows = class_rooflines(prof, use_device=cuda)
     if "communication" in rows:
         rows["communication"].seconds = communication_seconds
     ran = tuple(d for r in rows.values() for d in r.flops_by_dtype)
     peaks = measure_peaks(device, ("fp32", "bf16", *ran), link_gbps=link_gbps)
-    return RooflineReport(rows, peaks, steps, step_seconds, exposed_communication_seconds, blocks or [], cuda)
+    if facts is not None:
+        facts.peaks = peaks
+        matmul = rows.get("matmul")
+        unmeasured = "matmul" not in facts.dtypes and facts.speed("matmul") is None
+        if matmul is not None and matmul.dtype.startswith("fp32") and unmeasured:
+            found = gemm_speed(prof, device, window, use_device=cuda)
+            if found is not None:
+                facts.speeds[("matmul", found.dtype)] = found
+    return RooflineReport(rows, peaks, steps, step_seconds, exposed_communication_seconds, blocks or [], cuda, facts)

@@ -1,0 +1,100 @@
+"""bf16 against fp32 at this model's own GEMM shapes, from a window's recorded ops: the roofline's precision evidence.
+
+A GEMM peak comes from one large square product; whether bf16 pays at a model's shapes is another question (on a CPU
+with bf16 units a 64-wide GEMM measured slower in bf16 while the square peak was 4.6x faster). Where no precision
+policy measured the model, the roofline times the window's costliest fp32 GEMM shapes itself, in fp32 and in bf16 with
+the input casts a policy would add, back to back on the device's clock, and keeps the result for the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
+from lightning_opkit.core.facts import SpeedFact
+from lightning_opkit.core.timing import best_seconds
+
+__all__ = ["gemm_speed"]
+
+#: the window's costliest distinct shapes timed
+_MOST = 3
+#: (device, op, shapes, dtype) -> seconds per call: a model's shapes rarely change within a run
+_TIMES: dict[tuple[Any, ...], float] = {}
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _operands(op: str, shapes: list[list[int]], device: torch.device) -> list[torch.Tensor] | None:
+    tensors = [s for s in shapes if isinstance(s, list) and s and all(isinstance(d, int) for d in s)]
+    need = 2 if op in ("aten::mm", "aten::bmm") else 3
+    if len(tensors) < need:
+        return None
+    return [torch.randn(*s, device=device) for s in tensors[:need]]
+
+
+def _call(op: str, operands: list[torch.Tensor], dtype: torch.dtype) -> Callable[[], Any]:
+    ops: dict[str, Callable[..., torch.Tensor]] = {"aten::mm": torch.mm, "aten::bmm": torch.bmm,
+                                                   "aten::addmm": torch.addmm, "aten::baddbmm": torch.baddbmm}
+    fn = ops[op]
+    if dtype == torch.float32:
+        return lambda: fn(*operands)
+    return lambda: fn(*(t.to(dtype) for t in operands))  # the casts a policy would add are part of the price
+
+
+def _seconds(op: str, shapes: list[list[int]], device: torch.device, dtype: torch.dtype) -> float | None:
+    key = (str(device), op, str(shapes), dtype)
+    if key not in _TIMES:
+        operands = _operands(op, shapes, device)
+        if operands is None:
+            return None
+        run = _call(op, operands, dtype)
+        one = best_seconds(run, device, reps=1)
+        _TIMES[key] = min(one, best_seconds(run, device, reps=3, calls=max(1, min(20, int(2e-3 / max(one, 1e-7))))))
+    return _TIMES[key]
+
+
+def gemm_speed(prof: Any, device: torch.device | str, window: int, use_device: bool = False,
+               dtype: str = "bf16") -> SpeedFact | None:
+    """bf16 time over fp32 time of the window's costliest fp32 GEMMs, weighted by their recorded time and count.
+
+    Args:
+        prof: a stopped profiler run with ``record_shapes=True``.
+        device: the training device, where they are timed.
+        window: the window's number, for the fact's source.
+        use_device: weigh by device self time (a GPU window).
+        dtype: the 16-bit dtype.
+
+    Returns:
+        The measurement, or ``None`` when the window ran no fp32 GEMM with recorded shapes.
+    """
+    device = torch.device(device)
+    spent: dict[tuple[str, str], list[Any]] = {}
+    for e in prof.events():
+        if e.key not in _GEMMS or not e.input_shapes:
+            continue
+        dtypes = list(getattr(e, "input_dtypes", None) or [])
+        if not dtypes or PROFILER_DTYPES.get(dtypes[0]) != "fp32":
+            continue
+        entry = spent.setdefault((e.key, str(e.input_shapes)), [e.key, list(e.input_shapes), 0.0, 0])
+        entry[2] += float(e.self_device_time_total if use_device else e.self_cpu_time_total)
+        entry[3] += 1
+    costliest = sorted(spent.values(), key=lambda v: -v[2])[:_MOST]
+    fp32_total = low_total = 0.0
+    timed = []
+    for op, shapes, _, count in costliest:
+        fp32 = _seconds(op, shapes, device, torch.float32)
+        low = _seconds(op, shapes, device, BY_NAME[dtype])
+        if fp32 is None or low is None or not math.isfinite(fp32 * low):
+            continue
+        fp32_total += count * fp32
+        low_total += count * low
+        first = 0 if op in ("aten::mm", "aten::bmm") else 1  # addmm's first input is its bias
+        timed.append("@".join("x".join(map(str, s)) for s in shapes[first:first + 2]))
+    if not timed or fp32_total <= 0:
+        return None
+    return SpeedFact("matmul", dtype, low_total / fp32_total,
+                     f"this model's {len(timed)} costliest GEMM shapes ({', '.join(timed)}), as the window recorded"
+                     " them, input casts included", f"measured by the roofline in window {window}")
