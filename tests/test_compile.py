@@ -430,3 +430,64 @@ def test_checkpoints_with_orig_mod_keys_load(tmp_path):
     plain = Blocks()
     plain.load_state_dict(strip_compile_prefix(state))  # strict
     assert torch.equal(plain.inp.weight, state["inp._orig_mod.weight"])
+
+
+# ---- compile where it pays: a region measured slower compiled runs eagerly
+
+
+def _slow_backend(gm, example_inputs):
+    """The eager backend, 20 ms slower per call: a region slower compiled than eager by construction."""
+    import time
+
+    def run(*args):
+        time.sleep(0.02)
+        return gm.forward(*args)
+
+    return run
+
+
+torch._dynamo.register_backend(_slow_backend, name="opkit_test_slow")
+
+
+def test_a_region_slower_compiled_runs_eagerly_after_its_measurement(tmp_path):
+    from lightning_opkit.core.facts import facts_of
+
+    compiler = TorchCompile(modules=["blocks.*"], backend="opkit_test_slow")
+    model = Blocks(depth=2)
+    run = trainer(tmp_path, [compiler], max_steps=6)
+    run.fit(model, make_loader(n=96))
+    for name in ("blocks.0", "blocks.1"):
+        region = compiler.regions[name]
+        assert region.speedup is not None
+        assert region.speedup < 1 / 1.1  # measured: eager time / compiled time
+        assert region.slower
+        assert region.runs == "eager (compiled measured slower)"
+        assert facts_of(run).eager_regions[name] == region.speedup  # the kit knows: the roofline reads it
+    calls = compiler.regions["blocks.0"].calls
+    # from then on its compiled code is kept but unused: the calls after the measurement ran eagerly (no sleep)
+    assert calls >= 6
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/compile/eager_regions"][-1][1] == 2
+    assert "eager (compiled measured slower)" in texts["opkit/compile/regions"][-1][1]
+
+
+def test_eager_if_slower_off_keeps_every_region_compiled(tmp_path):
+    compiler = TorchCompile(modules=["blocks.*"], backend="opkit_test_slow", eager_if_slower=False)
+    trainer(tmp_path, [compiler], max_steps=6).fit(Blocks(depth=2), make_loader(n=96))
+    assert not any(r.slower for r in compiler.regions.values())
+    assert all(r.speedup is None for r in compiler.regions.values())  # not measured either
+
+
+def test_recompiles_every_run_has_are_counted_not_warned(tmp_path, recwarn):
+    # training and validation flip grad mode; the policy's table changes after it measured: bounded recompiles
+    compiler = TorchCompile(modules=["blocks.*"], backend="eager", eager_if_slower=False)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    run = trainer(tmp_path, [policy, compiler], max_steps=12, limit_val_batches=2, val_check_interval=3)
+    run.fit(Blocks(depth=2), make_loader(n=192), make_loader(n=32))
+    region = compiler.regions["blocks.0"]
+    assert region.recompiles >= 1
+    assert region.expected_recompiles == region.recompiles
+    assert not region.unexpected
+    assert not [w for w in recwarn if "compiled versions of its code" in str(w.message)]
+    _, texts = read_events(str(tmp_path))
+    assert f"| {region.recompiles} | {region.expected_recompiles} |" in texts["opkit/compile/regions"][-1][1]

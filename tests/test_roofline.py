@@ -370,3 +370,18 @@ def test_mfu_charges_each_dtype_at_its_own_peak_under_a_precision_policy(tmp_pat
     assert matmul.pct_peak(peaks) == pytest.approx(
         100 * sum(f / (peaks.gemm_tflops[d] * 1e12) for d, f in matmul.flops_by_dtype.items()) / matmul.seconds)
     assert "bf16" in texts_of(tmp_path)["opkit/profiler/roofline"][-1][1]
+
+
+def test_no_fusion_lever_where_torch_compile_compiled_and_eager_regions_named():
+    ln = nn.Sequential(nn.LayerNorm(1024), nn.GELU(), nn.LayerNorm(1024), nn.GELU())
+    y = torch.randn(4096, 1024, requires_grad=True)
+    rows = class_rooflines(_profile(lambda: ln(y).sum().backward()))
+    peaks = measure_peaks("cpu", ("fp32",))
+    assert rows["norm"].bound(peaks)[0] == "memory"
+    facts = RunFacts(compiled=["model.blocks.0", "model.blocks.1"], eager_regions={"model.blocks.1": 0.8})
+    report = RooflineReport(rows, peaks, steps=1, step_seconds=1.0, blocks=["model.blocks.0", "model.blocks.1"],
+                            facts=facts)
+    lever = report.lever(rows["norm"])
+    assert "TorchCompile(modules=" not in lever  # compiled already: fusion is not the lever
+    assert "compiled already" in lever
+    assert "model.blocks.1 (0.80x)" in lever  # the region measured slower compiled, and running eager, is named

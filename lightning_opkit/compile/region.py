@@ -11,17 +11,18 @@ import contextlib
 import functools
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_opkit.compile.config import COMPILE_FAILURES
 from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
-from lightning_opkit.compile.watch import DynamoWatch
+from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
 from lightning_opkit.core.replay import preserved
 from lightning_opkit.core.timing import per_call_seconds, sync
 
-__all__ = ["CompiledForward", "limit_message", "measure_speedup", "stance"]
+__all__ = ["RegionHooks", "SLOWER", "CompiledForward", "limit_message", "measure_speedup", "stance"]
 
 
 def stance() -> str:
@@ -52,7 +53,11 @@ def measure_speedup(module: torch.nn.Module, original: Callable[..., Any], compi
 
 
 def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list[str]] | None:
-    """When ``region``'s code holds half of dynamo's recompile limit: the warning and the regions sharing the code.
+    """The warning, and the regions sharing the code, when a guard keeps failing near dynamo's recompile limit.
+
+    That is: ``region``'s code holds half of the limit, and a recompile was not one every run has. Those
+    (:func:`~lightning_opkit.compile.watch.expected_recompile`) are counted in the regions table, not warned about:
+    they stay bounded.
 
     Args:
         region: the region that just recompiled.
@@ -60,14 +65,39 @@ def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list
     """
     limit = recompile_limit()
     entries = cache_entries(region.code)
-    if entries * 2 < limit:
+    if entries * 2 < limit or not region.unexpected:
         return None
     sharing = [r.name for r in regions.values() if r.code is region.code]
-    guard = region.recompile_reasons[-1] if region.recompile_reasons else "-"
-    guard = " ".join(guard.split())[:400]
+    guard = " ".join(region.unexpected[-1].split())[:400]
     return (f"TorchCompile: region {region.name or '<LightningModule>'!r} has {entries} compiled versions of its"
             f" code (shared by {len(sharing)} region(s)), half of torch._dynamo.config.recompile_limit={limit};"
             f" past the limit dynamo silently runs it eagerly. The guard that keeps failing: {guard}"), sharing
+
+
+#: compiled counts as slower when eager / compiled time is below 1 / (1 + SLOWER): beyond the noise of the medians
+SLOWER = 0.10
+
+
+@dataclass
+class RegionHooks:
+    """What a compiled region reports to its owner, and how it measures itself.
+
+    Args:
+        on_failure: called with a compile failure before the call is rerun eagerly; ``None`` re-raises it.
+        on_recompile: called after a call that recompiled the region.
+        on_slower: called once the region measured slower compiled than eager and runs eagerly from then on.
+        speedup: measure eager against compiled time once, after the region's third call.
+        eager_if_slower: run eagerly from then on if compiled measured slower (beyond :data:`SLOWER`).
+        sizes_dynamic: dynamo marks a changed dimension dynamic (``dynamic`` is not ``False``): one recompile per
+            such size change is expected.
+    """
+
+    on_failure: Callable[[BaseException], None] | None
+    on_recompile: Callable[[Region], None]
+    on_slower: Callable[[Region], None] = lambda region: None
+    speedup: bool = False
+    eager_if_slower: bool = False
+    sizes_dynamic: bool = True
 
 
 class CompiledForward:
@@ -79,17 +109,13 @@ class CompiledForward:
         original: its eager ``forward``.
         compiled: ``torch.compile(original, ...)``.
         watch: the run's dynamo watch (counts compiles and recompiles).
-        on_failure: called with a compile failure before the call is rerun eagerly; ``None`` re-raises it.
-        on_recompile: called after a call that recompiled the region.
-        speedup: measure eager against compiled time once, after the region's third call.
+        hooks: what it reports to its owner, and how it measures itself.
     """
 
     def __init__(self, module: torch.nn.Module, region: Region, original: Callable[..., Any],
-                 compiled: Callable[..., Any], watch: DynamoWatch,
-                 on_failure: Callable[[BaseException], None] | None,
-                 on_recompile: Callable[[Region], None], speedup: bool) -> None:
+                 compiled: Callable[..., Any], watch: DynamoWatch, hooks: RegionHooks) -> None:
         self.module, self.region, self.original, self.compiled = module, region, original, compiled
-        self.watch, self.on_failure, self.on_recompile, self.speedup = watch, on_failure, on_recompile, speedup
+        self.watch, self.hooks = watch, hooks
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         region, watch = self.region, self.watch
@@ -100,19 +126,31 @@ class CompiledForward:
             with self._span():
                 out = self._run(args, kwargs)
         except COMPILE_FAILURES as err:
-            if self.on_failure is None:
+            if self.hooks.on_failure is None:
                 raise
-            self.on_failure(err)
+            self.hooks.on_failure(err)
             return self.original(*args, **kwargs)
         finally:
             watch.region = None
         if len(watch.recompile_reasons) != recompiles:
-            region.recompile_reasons += watch.recompile_reasons[recompiles:]
-            region.recompiles += len(watch.recompile_reasons) - recompiles
-            self.on_recompile(region)
+            self._recompiled(watch.recompile_reasons[recompiles:])
         elif self._time_now(compiles):
             region.speedup = measure_speedup(self.module, self.original, self.compiled, args, kwargs)
+            if self.hooks.eager_if_slower and region.speedup < 1 / (1 + SLOWER):
+                region.slower = True
+                self.hooks.on_slower(region)
         return out
+
+    def _recompiled(self, reasons: list[str]) -> None:
+        region = self.region
+        region.recompile_reasons += reasons
+        region.recompiles += len(reasons)
+        for reason in reasons:
+            if expected_recompile(reason, region.expected_seen, self.hooks.sizes_dynamic):
+                region.expected_recompiles += 1
+            else:
+                region.unexpected.append(reason)
+        self.hooks.on_recompile(region)
 
     def _span(self) -> Any:
         # While a profiler window records, the region's time is a span named after it.
@@ -121,6 +159,8 @@ class CompiledForward:
         return torch.profiler.record_function(f"opkit region {self.region.name or '<LightningModule>'}")
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
+        if self.region.slower and stance() == "default":
+            return self.original(*args, **kwargs)  # its compiled code kept, unused
         if self.region.eager and stance() == "default":
             with torch.compiler.set_stance("eager_on_recompile"):
                 return self.compiled(*args, **kwargs)
@@ -128,7 +168,10 @@ class CompiledForward:
 
     def _time_now(self, compiles: int) -> bool:
         # Once, in steady state: compiled already, nothing compiled by this call, not a forced-eager replay.
-        return (self.speedup and self.region.speedup is None and self.region.calls >= 3
+        # Not for a region past its recompile limit: it runs eager_on_recompile, and timing its compiled code here
+        # would compile a new version.
+        return ((self.hooks.speedup or self.hooks.eager_if_slower) and self.region.speedup is None
+                and not self.region.eager and self.region.calls >= 3
                 and self.watch.compiles == compiles and stance() == "default" and torch.is_grad_enabled())
 
 

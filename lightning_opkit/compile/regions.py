@@ -5,6 +5,7 @@ A small record per region and plain functions, tested without a Trainer.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,18 +27,31 @@ class Region:
     graph_breaks: int = 0
     recompiles: int = 0
     recompile_reasons: list[str] = field(default_factory=list)
-    speedup: float | None = None  # eager time / compiled time, with measure_speedup
+    #: recompiles every run has and that stay bounded (grad modes, the policy's table, a size marked dynamic)
+    expected_recompiles: int = 0
+    #: the recompiles that were not: a guard that keeps failing
+    unexpected: list[str] = field(default_factory=list)
+    expected_seen: Counter[str] = field(default_factory=Counter)
+    speedup: float | None = None  # eager time / compiled time, once measured
     eager: bool = False  # switched to eager on its recompile limit
+    slower: bool = False  # runs eagerly: compiled measured slower (eager_if_slower)
+
+    @property
+    def runs(self) -> str:
+        """How it runs now: ``"compiled"``, or eager and why."""
+        if self.slower:
+            return "eager (compiled measured slower)"
+        return "eager_on_recompile (recompile limit)" if self.eager else "compiled"
 
     def row(self) -> list[Any]:
         """The region's row in the per-region table."""
         speed = "-" if self.speedup is None else f"{self.speedup:.2f}x"
         return [self.name or "<LightningModule>", self.calls, self.compiles, f"{self.compile_time_s:.2f}",
-                self.graphs, self.graph_breaks, self.recompiles, speed, "eager" if self.eager else "compiled"]
+                self.graphs, self.graph_breaks, self.recompiles, self.expected_recompiles, speed, self.runs]
 
 
 REGION_HEADERS = ["region", "calls", "compiles", "compile s", "graphs", "graph breaks", "recompiles",
-                  "speedup (eager/compiled)", "runs"]
+                  "of them expected", "speedup (eager/compiled)", "runs"]
 
 
 def cache_entries(code: Any) -> int:

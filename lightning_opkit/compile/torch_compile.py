@@ -24,10 +24,11 @@ from typing_extensions import override
 
 from lightning_opkit.compile.checkpoints import loading_old_checkpoints
 from lightning_opkit.compile.config import check_compile_args, make_backend
-from lightning_opkit.compile.region import CompiledForward, limit_message, nothing_compiled
+from lightning_opkit.compile.region import CompiledForward, RegionHooks, limit_message, nothing_compiled
 from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.select import find_blocks, resolve_modules
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import StepClock
@@ -68,6 +69,12 @@ class TorchCompile(OpkitCallback):
             nothing new is compiled); ``"raise"`` raises a ``RuntimeError``.
         measure_speedup: once per region, after it has compiled, time a few eager calls of it against compiled
             calls on the same inputs (buffers and RNG state restored), and report eager / compiled time.
+        eager_if_slower: measure each region so (whatever ``measure_speedup`` says) and, where compiled measured
+            more than 10% slower than eager, run it eagerly from then on (its compiled code kept, unused); named in
+            the regions table, ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling
+            is meant to speed training up, and fusion is not always a win (small or launch-bound regions, a region
+            whose graph breaks); measuring costs a dozen extra calls of each region, once. ``False`` keeps every
+            region compiled.
 
     Example:
         >>> compiler = TorchCompile(modules=["model.blocks.*"], backend="aot_eager")
@@ -87,10 +94,11 @@ class TorchCompile(OpkitCallback):
         fallback: bool = True,
         on_recompile_limit: Literal["warn", "eager", "raise"] = "warn",
         measure_speedup: bool = False,
+        eager_if_slower: bool = True,
     ) -> None:
         super().__init__()
         check_compile_args(modules, backend, mode, options, dynamic, on_recompile_limit, fullgraph=fullgraph,
-                           fallback=fallback, measure_speedup=measure_speedup)
+                           fallback=fallback, measure_speedup=measure_speedup, eager_if_slower=eager_if_slower)
         self.modules: list[str] | str | None = modules if modules in (None, "auto") else list(modules)
         self.backend = backend
         self.mode = mode
@@ -100,6 +108,7 @@ class TorchCompile(OpkitCallback):
         self.fallback = fallback
         self.on_recompile_limit = on_recompile_limit
         self.measure_speedup = measure_speedup
+        self.eager_if_slower = eager_if_slower
 
         #: module paths compiled in this run ("" = the LightningModule)
         self.compiled: list[str] = []
@@ -132,6 +141,11 @@ class TorchCompile(OpkitCallback):
         targets = self._targets(pl_module)
         self.regions, self._limit_hit = {}, set()
         backend = make_backend(self.backend, self.mode, self.options, self.dynamic)
+        hooks = RegionHooks(on_failure=(lambda err: self._fall_back(trainer, err)) if self.fallback else None,
+                            on_recompile=self._check_recompile_limit,
+                            on_slower=lambda region: self._run_eager(trainer, region),
+                            speedup=self.measure_speedup, eager_if_slower=self.eager_if_slower,
+                            sizes_dynamic=self.dynamic is not False)
         for name, module in targets:
             # ``forward`` itself, not ``_call_impl``: dynamo converts no frame of a compiled ``_call_impl`` (nor of
             # ``nn.Module.compile()``) for torch.nn's own modules, whose code it skips; a compiled ``forward`` is
@@ -139,10 +153,7 @@ class TorchCompile(OpkitCallback):
             original = module.forward
             compiled = torch.compile(original, backend=backend, fullgraph=self.fullgraph, dynamic=self.dynamic)
             region = self.regions[name] = Region(name, code=compiled_code(compiled))
-            self._patches.set(module, "forward", CompiledForward(
-                module, region, original, compiled, self.watch,
-                on_failure=(lambda err: self._fall_back(trainer, err)) if self.fallback else None,
-                on_recompile=self._check_recompile_limit, speedup=self.measure_speedup))
+            self._patches.set(module, "forward", CompiledForward(module, region, original, compiled, self.watch, hooks))
         self._patches.set(pl_module, "on_load_checkpoint", loading_old_checkpoints(pl_module.on_load_checkpoint))
         self.compiled = [name for name, _ in targets]
         self._batches, self._checked_frames, self.error = 0, False, None
@@ -198,6 +209,12 @@ class TorchCompile(OpkitCallback):
             text += " Mark the changing dimension dynamic, raise the limit, or set on_recompile_limit='eager'."
         warnings.warn(text, stacklevel=3)
 
+    def _run_eager(self, trainer: pl.Trainer, region: Region) -> None:
+        facts_of(trainer).eager_regions[region.name] = region.speedup or 0.0
+        rank_zero_info(f"TorchCompile: region {region.name or '<LightningModule>'!r} measured slower compiled than"
+                       f" eager (eager/compiled time {region.speedup:.2f}x): it runs eagerly from now on"
+                       " (eager_if_slower=True).")
+
     def _fall_back(self, trainer: pl.Trainer, err: BaseException) -> None:
         self.error = describe_error(err, limit=None)
         self._patches.restore()  # every compiled region goes back to eager, once
@@ -242,6 +259,11 @@ class TorchCompile(OpkitCallback):
     # observability
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after every callback's setup, when the run's facts are the fit's: the roofline reads what is compiled
+        facts_of(trainer).compiled = list(self.compiled)
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._compiles_at_start = self.watch.compiles
@@ -279,11 +301,11 @@ class TorchCompile(OpkitCallback):
             return
         step = trainer.global_step
         self._log_counts(step)
-        regions = tuple((r.compiles, r.recompiles, r.speedup, r.eager) for r in self.regions.values())
+        regions = tuple((r.compiles, r.recompiles, r.speedup, r.runs) for r in self.regions.values())
         if regions != self._reported_regions or final:
             self._reported_regions = regions
             writer.table("opkit/compile/regions", REGION_HEADERS, [r.row() for r in self.regions.values()], step)
-            writer.scalar("opkit/compile/eager_regions", sum(r.eager for r in self.regions.values()), step)
+            writer.scalar("opkit/compile/eager_regions", sum(r.runs != "compiled" for r in self.regions.values()), step)
         steady = self._clock.seconds(wait=final)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50)))  # set by Lightning at init, not declared
         # on CUDA a step's time arrives once its events completed: logged when the count passes a multiple

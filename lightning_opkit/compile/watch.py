@@ -163,6 +163,60 @@ def recompile_table(reasons: list[str]) -> list[list[Any]]:
     for reason in reasons:
         function = _FUNCTION.search(reason)
         where = f"{function.group(1)} ({function.group(2)})" if function else "-"
-        guards = [g for g in _GUARD.findall(reason) if not g.startswith(("User stack", "File ", "if ", "return "))]
+        guards = failed_guards(reason)
         counts[(where, guards[0] if guards else " ".join(reason.split())[:200])] += 1
     return [[where, guard, n] for (where, guard), n in counts.most_common()]
+
+
+def failed_guards(reason: str) -> list[str]:
+    r"""The guards a recompile message lists as failed, newest cache entry first.
+
+    Example:
+        >>> failed_guards("Recompiling function forward in m.py:3 ... failure(s):\n - 0/1: x.size()[0] == 8\n"
+        ...               " - 0/0: GLOBAL_STATE changed: grad_mode")
+        ['x.size()[0] == 8', 'GLOBAL_STATE changed: grad_mode']
+    """
+    return [g for g in _GUARD.findall(reason) if not g.startswith(("User stack", "File ", "if ", "return "))]
+
+
+#: recompiles every run has, each bounded: a guard of this kind failing up to so many times per compiled code is
+#: expected (train/eval/inference grad modes; a precision policy's table changing after it measured; a size that
+#: changed once, after which dynamo marks the dimension dynamic)
+_EXPECTED: tuple[tuple[re.Pattern[str], int], ...] = (
+    (re.compile(r"GLOBAL_STATE changed: grad_mode"), 2),
+    (re.compile(r"\.class_dtypes\["), 4),
+    (re.compile(r"size mismatch at index \d+|\.size\(\)\[\d+\]|\.stride\(\)\[\d+\]"), 1),
+)
+
+
+def expected_recompile(reason: str, seen: Counter[str], sizes_dynamic: bool = True) -> bool:
+    """Whether a recompile is one every run has and that stays bounded (then counted in ``seen``).
+
+    The newest failure decides: a grad-mode change (training, validation, inference), the precision policy's table,
+    or a size seen changing for the first time (only where dynamo then marks it dynamic: not with ``dynamic=False``).
+    Past its budget the same kind of guard "keeps failing", and is worth a warning.
+
+    Args:
+        reason: dynamo's recompile message.
+        seen: expected failures so far for this compiled code, by kind (updated).
+        sizes_dynamic: dynamo marks a changed dimension dynamic (``dynamic`` is not ``False``).
+
+    Example:
+        >>> from collections import Counter
+        >>> seen = Counter()
+        >>> [expected_recompile("- 0/0: GLOBAL_STATE changed: grad_mode", seen) for _ in range(3)]
+        [True, True, False]
+    """
+    guards = failed_guards(reason)
+    if not guards:
+        return False
+    newest = re.sub(r"\d+", "#", guards[0])
+    for pattern, budget in _EXPECTED:
+        if pattern.search(guards[0]):
+            if pattern.pattern.startswith("size") and not sizes_dynamic:
+                return False
+            if seen[newest] < budget:
+                seen[newest] += 1
+                return True
+            return False
+    return False
