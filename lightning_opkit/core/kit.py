@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 from torch import nn
 
-__all__ = ["CompilesRegions", "Member", "RunsModulesInDtype", "members", "offering"]
+__all__ = ["CompilesRegions", "Member", "PinsModules", "RunsModulesInDtype", "members", "offering"]
 
 
 @runtime_checkable
@@ -34,6 +34,15 @@ class RunsModulesInDtype(Protocol):
 
     def running_in(self, module: nn.Module | None, dtype: Any) -> Any:
         """A context inside which every op of ``module`` (``None``: the whole step) runs in ``dtype``."""
+        ...
+
+
+@runtime_checkable
+class PinsModules(Protocol):
+    """Runs a module in a dtype from now on, on request: a NaN repair pins its culprit to fp32 through it."""
+
+    def pin(self, name: str, module: nn.Module, dtype: str) -> None:
+        """Every op inside ``module`` (at path ``name``) runs in ``dtype`` from now on, until teardown."""
         ...
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
 from lightning_opkit.core.nesting import Nesting
@@ -199,68 +198,3 @@ def run_step(model: nn.Module, compute_loss: Callable[[], Tensor | None], backwa
         finally:
             reshard(model)
     return (None if loss is None else loss.detach()), grads
-
-
-@contextlib.contextmanager
-def autocast_off() -> Iterator[None]:
-    """Inside, autocast is off on every device where it was on; on exit it is on again there.
-
-    Example:
-        >>> with torch.autocast("cpu"), autocast_off():
-        ...     torch.is_autocast_enabled("cpu")
-        False
-    """
-    devices = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
-    for d in devices:
-        torch.set_autocast_enabled(d, False)
-    try:
-        yield
-    finally:
-        for d in devices:
-            torch.set_autocast_enabled(d, True)
-
-
-@contextlib.contextmanager
-def autocast_off_in(module: nn.Module | None) -> Iterator[None]:
-    """Inside, ``module`` runs its forward in fp32 with autocast off; its outputs go on in its inputs' dtype.
-
-    Its 16-bit positional inputs become fp32 and its floating outputs are cast back to that 16-bit dtype.
-    The outputs are cast back because the modules after it expect that dtype: under ``precision="16-true"`` their
-    fp16 weights refuse an fp32 input. A forward hook registered with ``prepend=True`` sees the fp32 outputs.
-    ``None`` does nothing: for the whole step, the caller runs it without its precision plugin's autocast.
-    """
-    if module is None:
-        yield
-        return
-    saved: list[tuple[list[tuple[str, bool]], torch.dtype | None]] = []
-
-    def enter(mod: nn.Module, args: Any) -> Any:
-        states = [(d, torch.is_autocast_enabled(d)) for d in ("cuda", "cpu")]
-        low = next((a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point()
-                    and a.element_size() < 4), None)
-        saved.append((states, low))
-        for d, on in states:
-            if on:
-                torch.set_autocast_enabled(d, False)
-        # Inputs autocast made 16-bit upstream would meet fp32 weights: the module runs in fp32 throughout.
-        return tuple(a.float() if isinstance(a, Tensor) and a.is_floating_point() and a.element_size() < 4 else a
-                     for a in args)
-
-    def leave(mod: nn.Module, args: Any, output: Any) -> Any:
-        if not saved:
-            return None
-        states, low = saved.pop()
-        for d, on in states:
-            if on:
-                torch.set_autocast_enabled(d, True)
-        if low is None:
-            return None
-        return tree_map(lambda t: t.to(low) if isinstance(t, Tensor) and t.is_floating_point() else t, output)
-
-    patches = Patches()
-    patches.hold(module.register_forward_pre_hook(enter, prepend=True))
-    patches.hold(module.register_forward_hook(leave, always_call=True))
-    try:
-        yield
-    finally:
-        patches.restore()

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_opkit.core.fp32 import fp32_inside
+from lightning_opkit.core.fp32 import in_fp32
 from lightning_opkit.core.ranks import local_floats
-from lightning_opkit.core.replay import autocast_off_in, run_step, set_rng_state
+from lightning_opkit.core.replay import run_step, set_rng_state
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.nan.report import Cause, Origin, not_reproduced
 
@@ -80,9 +80,9 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Or
         if fp32:
             for policy in policies:
                 stack.enter_context(policy.running_in(culprit, "fp32"))
-            if culprit is not None and not policies:
-                stack.enter_context(fp32_inside(culprit))  # its own weights too, where they are 16-bit
-            stack.enter_context(autocast_off_in(culprit))
+            if culprit is not None:
+                # its own 16-bit weights too, where no policy does that; outputs on in the dtype the next modules take
+                stack.enter_context(in_fp32(culprit, weights=not policies, cast_back=True))
         try:
             loss, grads = run_step(model, compute_loss, backward=found.phase == "backward")
         except Exception as err:  # the step failing in a replay: the fault can be neither seen nor ruled out

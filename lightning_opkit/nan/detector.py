@@ -12,6 +12,7 @@ each event and each epoch's end), ``opkit/nan/report`` (the report and its field
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -25,7 +26,8 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
-from lightning_opkit.core.kit import CompilesRegions, RunsModulesInDtype, offering
+from lightning_opkit.core.facts import facts_of
+from lightning_opkit.core.kit import CompilesRegions, PinsModules, RunsModulesInDtype, offering
 from lightning_opkit.core.ranks import Ranks
 from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
@@ -33,6 +35,7 @@ from lightning_opkit.core.text import markdown_table
 from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import bad_gradient_shard, check_step
 from lightning_opkit.nan.locate import locate
+from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.report import (
     SHARD_ONLY,
     Cause,
@@ -47,6 +50,11 @@ from lightning_opkit.nan.skip import BatchState, StepSkipper
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
 _ACTIONS = ("raise", "skip", "warn", "stop")
+
+
+def _pinner(trainer: pl.Trainer) -> PinsModules | None:
+    """The attached precision policy that pins a module to a dtype, if any."""
+    return next(offering(trainer, PinsModules), None)
 
 
 def _ran_compiled(trainer: pl.Trainer) -> bool:
@@ -85,6 +93,11 @@ class NaNDetector(OpkitCallback):
         every_n_steps: check one optimizer step in this many (1 = every step).
         modules: globs over ``pl_module.named_modules()`` names to localize among; ``None`` = every module.
         max_consecutive_skips: with ``action="skip"``, raise once this many steps in a row were skipped.
+        repair: when a fault's cause is ``precision`` and the action lets the run go on (``"skip"``, ``"warn"``), pin
+            its culprit module to fp32 from the next step on (:mod:`~lightning_opkit.nan.repair`: through an attached
+            PrecisionPolicy, else by autocast off in it or, with 16-bit weights, fp32 copies of them), and say so in
+            the report, ``opkit/nan/repairs`` and the run summary. A pin that does not hold (the module faults again
+            in fp32) is not retried. ``False``: report and act only.
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")], logger=False)
@@ -101,10 +114,11 @@ class NaNDetector(OpkitCallback):
         every_n_steps: int = 1,
         modules: Optional[list[str]] = None,
         max_consecutive_skips: int = 10,
+        repair: bool = True,
     ) -> None:
         super().__init__()
         check_choice("action", action, _ACTIONS)
-        check_bools(check_forward=check_forward, check_backward=check_backward, check_loss=check_loss)
+        check_bools(check_forward=check_forward, check_backward=check_backward, check_loss=check_loss, repair=repair)
         if not (check_forward or check_backward or check_loss):
             raise ValueError("At least one of `check_forward`, `check_backward`, `check_loss` must be True")
         check_int("every_n_steps", every_n_steps, 1)
@@ -117,6 +131,7 @@ class NaNDetector(OpkitCallback):
         self.every_n_steps = every_n_steps
         self.modules = list(modules) if modules is not None else None
         self.max_consecutive_skips = max_consecutive_skips
+        self.repair = repair
 
         #: every event of this run, typed; :attr:`events` is their dict view
         self.reports: list[NaNReport] = []
@@ -125,6 +140,7 @@ class NaNDetector(OpkitCallback):
         self._hooked: list[tuple[str, torch.nn.Module]] = []
         self._pending: list[_MicroBatch] = []
         self._skipper = StepSkipper(self._patches)
+        self._repairs = Repairs()
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -143,18 +159,21 @@ class NaNDetector(OpkitCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"events": self.events, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+        return {"events": self.events, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+                "repairs": dict(self._repairs.pinned)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.reports = [NaNReport.from_dict(e) for e in state_dict.get("events", [])]
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+        self._repairs.pinned = dict(state_dict.get("repairs", {}))  # pinned again at the fit's start
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """One chart: events, skipped steps, consecutive skips."""
         return {"opkit nan": {"non-finite events and skipped steps": [
-            "Multiline", [r"opkit/nan/events", r"opkit/nan/skipped_steps", r"opkit/nan/consecutive_skips"]]}}
+            "Multiline", [r"opkit/nan/events", r"opkit/nan/skipped_steps", r"opkit/nan/consecutive_skips",
+                          r"opkit/nan/repairs"]]}}
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
@@ -162,7 +181,12 @@ class NaNDetector(OpkitCallback):
         if self.reports:
             first = self.reports[0]
             line += f"; first at step {first.step}: {first.origin.phase} in {first.origin.module or '<the loss>'!r}"
-        return [line]
+        lines = [line]
+        if self._repairs.pinned:
+            lines.append("  repaired (pinned to fp32 after a precision fault, repair=True): " + ", ".join(
+                f"{path} at step {next((r.step for r in self.reports if r.repair and r.repair.startswith(path)), '-')}"
+                for path in self._repairs.pinned))
+        return lines
 
     # lifecycle
 
@@ -185,11 +209,14 @@ class NaNDetector(OpkitCallback):
         self._skipper.wrap_scheduler_step(pl_module, interval_of)
         for optimizer in trainer.optimizers:
             self._skipper.wrap_optimizer(optimizer)
+        self._repairs.apply_all(pl_module, _pinner(trainer))  # a resumed run keeps its pins
+        facts_of(trainer).repairs.update(self._repairs.pinned)
 
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._pending.clear()
         self._skipper.state = BatchState.UNCHECKED
+        self._repairs.release()
 
     # the cheap per-step path: hooks -> check
 
@@ -226,7 +253,7 @@ class NaNDetector(OpkitCallback):
             # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale.
             self._skipper.state = BatchState.SCALER_SKIP
             return
-        self._act(trainer, self._report(trainer, pl_module, pending, loss_bad, optimizer))
+        self._act(trainer, pl_module, self._report(trainer, pl_module, pending, loss_bad, optimizer))
 
     # the slow path: locate -> diagnose -> act
 
@@ -284,7 +311,10 @@ class NaNDetector(OpkitCallback):
                         origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree,
                         compiled=_ran_compiled(trainer))
 
-    def _act(self, trainer: pl.Trainer, report: NaNReport) -> None:
+    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport) -> None:
+        goes_on = self.action == "warn" or (
+            self.action == "skip" and self.consecutive_skips + 1 <= self.max_consecutive_skips)
+        report = self._amended(trainer, pl_module, report, goes_on)
         self.reports.append(report)
         # The buffers the bad forward wrote are put back whatever the action: a caught NonFiniteError leaves a model
         # that still evaluates.
@@ -305,6 +335,30 @@ class NaNDetector(OpkitCallback):
         elif self.action == "stop":
             trainer.should_stop = True
 
+    def _amended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport,
+                 goes_on: bool) -> NaNReport:
+        """The report with what loss scaling cannot do, and the repair: made, or a pin that did not hold."""
+        cause, path = report.cause, report.origin.module
+        if cause is None:
+            return report
+        notes = []
+        if getattr(trainer.precision_plugin, "scaler", None) is not None and report.origin.phase in ("forward",
+                                                                                                     "loss"):
+            notes.append("loss scaling cannot fix a forward overflow (the GradScaler only skips the step and lowers its"
+                         " scale, which changes nothing in the forward)")
+        repair = None
+        if path and path in self._repairs.pinned:
+            notes.append(f"{path!r} was pinned to fp32 after an earlier fault and went non-finite again there: the"
+                         " pin did not hold, and is not retried")
+        elif self.repair and goes_on and cause.cause == "precision" and path:
+            repair = self._repairs.pin(pl_module, path, _pinner(trainer))
+            facts_of(trainer).repairs[path] = "fp32"
+            notes.append(f"repaired: {path!r} runs in fp32 from the next step on (NaNDetector(repair=True))")
+        if not notes:
+            return report
+        return dataclasses.replace(report, cause=Cause(cause.cause, f"{cause.advice}; " + "; ".join(notes)),
+                                   repair=repair)
+
     # what gets logged where
 
     @override
@@ -314,7 +368,8 @@ class NaNDetector(OpkitCallback):
 
     def _log_counters(self, trainer: pl.Trainer) -> None:
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,
-                                    "consecutive_skips": self.consecutive_skips}, trainer.global_step)
+                                    "consecutive_skips": self.consecutive_skips,
+                                    "repairs": len(self._repairs.pinned)}, trainer.global_step)
 
     def _log(self, trainer: pl.Trainer, report: NaNReport) -> None:
         if self._writer is None:

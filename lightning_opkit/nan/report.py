@@ -110,6 +110,7 @@ class NaNReport:
         origin: where it came from.
         cause: why, when a cause replay ran.
         action: the detector's action.
+        repair: what was repaired after it (``"<module> -> fp32"``), else ``None``.
 
     Example:
         >>> report = NaNReport(3, 0, 3, 0, Origin(phase="loss", module="", module_type="Net", op_class="loss", nan=1),
@@ -125,14 +126,15 @@ class NaNReport:
     origin: Origin
     cause: Cause | None = None
     action: str = "raise"
+    repair: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The flat dict view: step, epoch, batch_idx, rank, the origin's fields, cause, advice, action."""
+        """The flat dict view: step, epoch, batch_idx, rank, the origin's fields, cause, advice, action, repair."""
         cause = {"cause": self.cause.cause, "advice": self.cause.advice} if self.cause else {"cause": None,
                                                                                                 "advice": None}
         origin = {k: v for k, v in dataclasses.asdict(self.origin).items() if k != "seq"}
         return {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx, "rank": self.rank, **origin,
-                **cause, "action": self.action}
+                **cause, "action": self.action, "repair": self.repair}
 
     @classmethod
     def from_dict(cls, view: dict[str, Any]) -> NaNReport:
@@ -141,7 +143,7 @@ class NaNReport:
         origin = Origin(**{k: v for k, v in view.items() if k in fields})
         cause = Cause(view["cause"], view.get("advice") or "") if view.get("cause") else None
         return cls(int(view.get("step", -1)), int(view.get("epoch", 0)), int(view.get("batch_idx", -1)),
-                   int(view.get("rank", 0)), origin, cause, str(view.get("action", "raise")))
+                   int(view.get("rank", 0)), origin, cause, str(view.get("action", "raise")), view.get("repair"))
 
 
 class NonFiniteError(RuntimeError):

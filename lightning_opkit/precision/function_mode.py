@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
-from lightning_opkit.core.replay import autocast_off, rng_state
+from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.opclass import function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference

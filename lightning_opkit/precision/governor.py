@@ -52,6 +52,8 @@ class StepGovernor:
         self.census_done: Census | None = None
         self._forced: list[torch.dtype | None] = []  # a dtype for the whole step (running_in(None, ...))
         self._overriding = 0  # running_in() contexts open: the mode must run
+        #: modules pinned to a dtype at run time (a NaN repair): the mode must run
+        self.pinned = False
 
     def set_table(self, table: dict[str, str]) -> None:
         """Run ``table`` from the next op on."""
@@ -95,7 +97,7 @@ class StepGovernor:
 
     def runs_mode(self, is_training: bool) -> bool:
         """Whether this step runs under the policy's mode (else the model runs as written, or under autocast)."""
-        if self._overriding or not self.passthrough:
+        if self._overriding or self.pinned or not self.passthrough:
             return True  # a NaN cause replay's fp32 region, or a table to apply
         if self.autocast is not None:
             return is_training and self.census_step  # census steps count what autocast ran (an all-keep table)

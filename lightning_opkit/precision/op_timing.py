@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_opkit.core.replay import autocast_off
+from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import per_call_seconds, sync
 from lightning_opkit.opclass import OP_CLASSES

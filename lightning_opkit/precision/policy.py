@@ -122,6 +122,8 @@ class PrecisionPolicy(OpkitCallback):
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
 
         self._governor = StepGovernor(self.table)
+        #: modules pinned at run time (``pin``, a NaN repair) -> dtype
+        self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
         self._measured_at: int | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -172,6 +174,21 @@ class PrecisionPolicy(OpkitCallback):
         """
         return self._governor.running_in(module, dtype)
 
+    def pin(self, name: str, module: torch.nn.Module, dtype: DtypeName) -> None:
+        """From now on every op inside ``module`` runs in ``dtype``: a module override added at run time.
+
+        NaNDetector's repair pins a precision fault's culprit to fp32 through it; undone at teardown, like every
+        override, and shown beside them.
+
+        Args:
+            name: the module's path.
+            module: the module.
+            dtype: the dtype name.
+        """
+        self._governor.hold_override(self._patches, module, DTYPES[dtype])
+        self._governor.pinned = True
+        self.pinned[name] = dtype
+
     @property
     def _passthrough(self) -> bool:
         return self._governor.passthrough
@@ -188,7 +205,8 @@ class PrecisionPolicy(OpkitCallback):
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
-        return summary_lines(self.table, self.decisions, self.modules, self._governor.autocast, self._passthrough,
+        overrides = {**self.modules, **{f"{k} (pinned by a NaN repair)": v for k, v in self.pinned.items()}}
+        return summary_lines(self.table, self.decisions, overrides, self._governor.autocast, self._passthrough,
                              self._auto if self.auto else None)
 
     # lifecycle
@@ -229,6 +247,8 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._originals.clear()
+        self.pinned.clear()
+        self._governor.pinned = False
         self._governor.clear()
 
     # the plan: which ops run in which dtype

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
-from lightning_opkit.core.replay import REPLAYING, autocast_off, preserved, quiet_logging, run_step
+from lightning_opkit.core.replay import REPLAYING, preserved, quiet_logging, run_step
 from lightning_opkit.precision.census import Census
 from lightning_opkit.precision.dtypes import GOVERNED, NEVER_CAST
 from lightning_opkit.precision.function_mode import ModeState, PolicyMode, hold_rnn_input_casts
