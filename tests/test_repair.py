@@ -118,3 +118,36 @@ def test_under_ddp_both_ranks_pin_the_same_module(tmp_path):
     assert r0["repairs"] == r1["repairs"] == {CULPRIT: "fp32"}
     assert r0["finite_after"] == r1["finite_after"] == [True] * 4
     assert r0["weights"] == r1["weights"]  # still in lockstep
+
+
+class _Amplify(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e6  # whatever the loss scale, this gradient overflows fp16 until the scale is tiny
+
+
+class Amplify(torch.nn.Module):
+    def forward(self, x):
+        return _Amplify.apply(x)
+
+
+def test_a_grad_scaler_collapse_is_reported_once_with_its_module(tmp_path):
+    from helpers import TinyNet, make_loader
+
+    kwargs, _ = _precision("16-mixed")
+    model = TinyNet()
+    model.body[3] = Amplify()  # after the ReLU, in the fp16 activations autocast makes
+    detector = NaNDetector(action="warn", repair=False)
+    with pytest.warns(UserWarning, match="scale fell from 65536 to 64 over 11 steps it skipped in a row"):
+        trainer(tmp_path, [detector], max_steps=14, **kwargs).fit(model, make_loader(n=128))
+    assert len(detector.events) == 1  # once, not at every skipped step
+    event = detector.events[0]
+    assert (event["step"], event["phase"], event["module"]) == (10, "backward", "body.3")
+    assert event["cause"] == "precision"
+    assert "loss scaling cannot fix" in event["advice"]
+    assert "PrecisionPolicy(modules={'body.3': 'fp32'})" in event["advice"]
+    assert detector.skipped_steps == 0  # the scaler skipped them, not the detector

@@ -45,6 +45,7 @@ from lightning_opkit.nan.report import (
     format_report,
     not_reproduced,
 )
+from lightning_opkit.nan.scaler import ScaleWatch
 from lightning_opkit.nan.skip import BatchState, StepSkipper
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
@@ -141,6 +142,7 @@ class NaNDetector(OpkitCallback):
         self._pending: list[_MicroBatch] = []
         self._skipper = StepSkipper(self._patches)
         self._repairs = Repairs()
+        self._scale_watch = ScaleWatch()
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -248,10 +250,16 @@ class NaNDetector(OpkitCallback):
                                         grads if self.check_backward else [], pl_module.device)
         if not (loss_bad or grad_bad):
             self.consecutive_skips = 0
+            self._scale_watch.healthy()
             return
-        if getattr(trainer.precision_plugin, "scaler", None) is not None and grad_bad and not loss_bad:
-            # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and grad_bad and not loss_bad:
+            # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale. Its scale
+            # is read (a sync) only on such a step, already found non-finite.
             self._skipper.state = BatchState.SCALER_SKIP
+            scale = float(scaler.get_scale())
+            if self._scale_watch.skipped_step(scale):
+                self._scaler_collapsed(trainer, pl_module, pending, scale)
             return
         self._act(trainer, pl_module, self._report(trainer, pl_module, pending, loss_bad, optimizer))
 
@@ -289,6 +297,47 @@ class NaNDetector(OpkitCallback):
             return self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank)
         unseen = Origin(phase="loss" if loss_bad else "backward", module=None)
         return self._new_report(trainer, batch_idx, unseen, not_reproduced(_ran_compiled(trainer)), 0)
+
+    def _scaler_collapsed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
+                          scale: float) -> None:
+        """Report the GradScaler's collapse once, with where the gradients first went non-finite at this scale."""
+        origin = self._first_bad_gradient(trainer, pl_module, pending, scale)
+        where = f"module {origin.module!r}" if origin.module else "a module no replay named"
+        cause = Cause("precision", f"{self._scale_watch.describe(scale)}: gradients overflow fp16 whatever the scale,"
+                                   " which loss scaling cannot fix (training stalls: every step is skipped); the first"
+                                   f" non-finite gradient is in {where}: run it in fp32"
+                                   + (f" (PrecisionPolicy(modules={{{origin.module!r}: 'fp32'}}))" if origin.module
+                                      else "") + " or train in bf16")
+        report = self._amended(trainer, pl_module, self._new_report(
+            trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), self.action in ("skip", "warn"))
+        self.reports.append(report)
+        self._log(trainer, report)
+        if self.action == "raise":
+            raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
+        if self.action == "stop":
+            trainer.should_stop = True
+        else:
+            warnings.warn(format_report(report), stacklevel=3)
+
+    def _first_bad_gradient(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
+                            scale: float) -> Origin:
+        ranks, resume = Ranks(pl_module.device), rng_state()
+        try:
+            for micro in pending:
+                step_loss = self._step_loss(trainer, pl_module, micro)
+
+                def scaled(step_loss: Callable[[], Tensor | None] = step_loss) -> Tensor | None:
+                    loss = step_loss()
+                    return None if loss is None else loss * scale  # as the GradScaler scaled the step's loss
+
+                origins = ranks.gather(locate(pl_module, scaled, micro.rng, modules=self._hooked, forward=False,
+                                              backward=True, loss=False, any_rank=ranks.any))
+                seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
+                if seen:
+                    return origins[min(seen)[1]]
+        finally:
+            set_rng_state(resume)
+        return Origin(phase="backward", module=None)
 
     def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
                     rank: int) -> NaNReport:
