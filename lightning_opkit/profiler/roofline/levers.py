@@ -62,12 +62,18 @@ def precision_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, s
     return False, f"{speed.phrase()}: no precision lever here"
 
 
+def _with_precision(text: str, row: ClassRoofline, report: RooflineReport) -> str:
+    """``text``, and what this run measured about the class in 16-bit, where it measured anything."""
+    precision = precision_lever(row, report) if row.op_class in GEMM_CLASSES else None
+    return text if precision is None else f"{text}; {precision[1]}"
+
+
 def _gemm_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: float) -> str:
     peaks = report.peaks
     if kind == "memory":
         ridge = peaks.peak(row.dtype.split("+")[0]) / (peaks.bandwidth_gbps * 1e9)
-        return (f"memory-bound at {row.intensity:.1f} FLOP/B, left of the ridge ({ridge:.1f} FLOP/B): larger GEMMs"
-                " (a bigger batch or sequence) raise its intensity")
+        return _with_precision(f"memory-bound at {row.intensity:.1f} FLOP/B, left of the ridge ({ridge:.1f} FLOP/B):"
+                               " larger GEMMs (a bigger batch or sequence) raise its intensity", row, report)
     precision = precision_lever(row, report)
     if precision is not None and precision[0]:
         return f"compute-bound at {pct:.0f}% of its fp32 peak; {precision[1]}"
@@ -122,7 +128,7 @@ def lever(row: ClassRoofline, report: RooflineReport) -> str:
         return ("no op of this class did work of its own: its time is dispatch around ops counted in their classes"
                 " (attention's math path: matmul, softmax)")
     if kind == "overhead":
-        return _overhead_lever(row, report, pct)
+        return _with_precision(_overhead_lever(row, report, pct), row, report)
     text = _gemm_lever(row, report, kind, pct) if row.op_class in GEMM_CLASSES else _elementwise_lever(
         row, report, kind, pct)
     if pct < 10:
