@@ -57,6 +57,7 @@ class LM(pl.LightningModule):
             from transformers import GPT2Config, GPT2LMHeadModel
 
             self.net = GPT2LMHeadModel(GPT2Config(n_embd=DIM, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                                  bos_token_id=0, eos_token_id=0,
                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
             self.net.set_attn_implementation("eager")
             with torch.no_grad():  # queries and keys grown as at a high learning rate: logits ~ scale^2

@@ -350,10 +350,11 @@ def test_auto_without_repeated_blocks_fails_clearly(tmp_path):
 
 
 def test_per_region_figures_and_measured_speedup(tmp_path):
-    compiler = TorchCompile(modules=["blocks.*"], backend="eager", measure_speedup=True)
-    trainer(tmp_path, [compiler], max_steps=4).fit(Blocks(depth=2), make_loader())
+    # timed on its own calls (two warm-up, then three compiled and three eager, alternating): eight steps
+    compiler = TorchCompile(modules=["blocks.*"], backend="eager", measure_speedup=True, eager_if_slower=False)
+    trainer(tmp_path, [compiler], max_steps=8).fit(Blocks(depth=2), make_loader())
     first, second = compiler.regions["blocks.0"], compiler.regions["blocks.1"]
-    assert first.calls == second.calls == 4
+    assert first.calls == second.calls == 8
     assert first.compiles >= 1
     assert first.compile_time_s > 0
     assert first.graphs >= 1
@@ -363,7 +364,7 @@ def test_per_region_figures_and_measured_speedup(tmp_path):
     assert second.speedup is not None
     _, texts = read_events(str(tmp_path))
     table = texts["opkit/compile/regions"][-1][1]
-    assert "| blocks.0 | 4 |" in table
+    assert "| blocks.0 | 8 |" in table
     assert "speedup (eager/compiled)" in table
 
 
@@ -435,11 +436,15 @@ def test_checkpoints_with_orig_mod_keys_load(tmp_path):
 # ---- compile where it pays: a region measured slower compiled runs eagerly
 
 
+SLOW_CALLS = []
+
+
 def _slow_backend(gm, example_inputs):
     """The eager backend, 20 ms slower per call: a region slower compiled than eager by construction."""
     import time
 
     def run(*args):
+        SLOW_CALLS.append(1)
         time.sleep(0.02)
         return gm.forward(*args)
 
@@ -454,7 +459,8 @@ def test_a_region_slower_compiled_runs_eagerly_after_its_measurement(tmp_path):
 
     compiler = TorchCompile(modules=["blocks.*"], backend="opkit_test_slow")
     model = Blocks(depth=2)
-    run = trainer(tmp_path, [compiler], max_steps=6)
+    SLOW_CALLS.clear()
+    run = trainer(tmp_path, [compiler], max_steps=11)
     run.fit(model, make_loader(n=96))
     for name in ("blocks.0", "blocks.1"):
         region = compiler.regions[name]
@@ -463,9 +469,9 @@ def test_a_region_slower_compiled_runs_eagerly_after_its_measurement(tmp_path):
         assert region.slower
         assert region.runs == "eager (compiled measured slower)"
         assert facts_of(run).eager_regions[name] == region.speedup  # the kit knows: the roofline reads it
-    calls = compiler.regions["blocks.0"].calls
-    # from then on its compiled code is kept but unused: the calls after the measurement ran eagerly (no sleep)
-    assert calls >= 6
+    # two warm-up calls and six timed ones, then eager: its compiled code kept, unused
+    assert compiler.regions["blocks.0"].calls == 11
+    assert len(SLOW_CALLS) == 2 * (2 + 3)  # per region: the warm-up and the three compiled trial calls, no more
     scalars, texts = read_events(str(tmp_path))
     assert scalars["opkit/compile/eager_regions"][-1][1] == 2
     assert "eager (compiled measured slower)" in texts["opkit/compile/regions"][-1][1]
@@ -473,7 +479,7 @@ def test_a_region_slower_compiled_runs_eagerly_after_its_measurement(tmp_path):
 
 def test_eager_if_slower_off_keeps_every_region_compiled(tmp_path):
     compiler = TorchCompile(modules=["blocks.*"], backend="opkit_test_slow", eager_if_slower=False)
-    trainer(tmp_path, [compiler], max_steps=6).fit(Blocks(depth=2), make_loader(n=96))
+    trainer(tmp_path, [compiler], max_steps=11).fit(Blocks(depth=2), make_loader(n=96))
     assert not any(r.slower for r in compiler.regions.values())
     assert all(r.speedup is None for r in compiler.regions.values())  # not measured either
 

@@ -2,13 +2,12 @@
 
 Per call: a profiler span named after the region, the compiled code (eagerly with ``eager_on_recompile`` once the
 region neared dynamo's recompile limit), eager fallback on a compile failure, recompiles counted against the region,
-and once, if asked, eager against compiled time on the call's own inputs.
+and once, if asked, eager against compiled time (:class:`SpeedTrial`: on the region's own calls, no extra ones).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +18,9 @@ import torch
 from lightning_opkit.compile.config import COMPILE_FAILURES
 from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
 from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
-from lightning_opkit.core.replay import preserved
-from lightning_opkit.core.timing import per_call_seconds, sync
+from lightning_opkit.core.timing import StepClock
 
-__all__ = ["RegionHooks", "SLOWER", "CompiledForward", "limit_message", "measure_speedup", "stance"]
+__all__ = ["SLOWER", "CompiledForward", "RegionHooks", "SpeedTrial", "limit_message", "stance"]
 
 
 def stance() -> str:
@@ -34,22 +32,43 @@ def stance() -> str:
     return _stance.stance
 
 
-def measure_speedup(module: torch.nn.Module, original: Callable[..., Any], compiled: Callable[..., Any],
-                    args: tuple, kwargs: dict, repeats: int = 3, calls: int = 2) -> float:
-    """Eager time over compiled time of ``module``'s forward on these inputs (median of ``repeats`` each).
+class SpeedTrial:
+    """Eager against compiled time on a region's own calls: no extra call, so nothing runs twice.
 
-    Extra calls on the step's own inputs: buffers (BatchNorm statistics), metric states and every RNG are put back
-    afterwards and the outputs dropped, so training goes on as if they never ran. Each sample is ``calls`` calls back to
-    back (on CUDA between two events), eager and compiled interleaved.
+    After :data:`WARMUP` calls, the next six alternate compiled and eager (C E C E C E: drift hits both alike), each
+    timed on the device's clock (CUDA events, read once at the end); the speedup is eager's median over compiled's.
+    Replays and census steps (a forced eager stance) are not the region's training calls and do not count.
+
+    Example:
+        >>> trial = SpeedTrial()
+        >>> [trial.next() for _ in range(4)]
+        ['warmup', 'warmup', 'compiled', 'eager']
     """
-    device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
-    times: dict[bool, list[float]] = {False: [], True: []}
-    with preserved(module):
-        sync(device)
-        for _ in range(repeats):
-            for is_compiled, fn in ((False, original), (True, compiled)):
-                times[is_compiled].append(per_call_seconds(functools.partial(fn, *args, **kwargs), device, calls))
-    return statistics.median(times[False]) / max(statistics.median(times[True]), 1e-9)
+
+    WARMUP = 2
+    ORDER = ("compiled", "eager") * 3
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.clocks = {"compiled": StepClock(), "eager": StepClock()}
+
+    def next(self) -> str | None:
+        """What the next eligible call runs: ``"warmup"``, ``"compiled"``, ``"eager"``, or ``None`` once done."""
+        i = self.calls - self.WARMUP
+        self.calls += 1
+        if i < 0:
+            return "warmup"
+        return self.ORDER[i] if i < len(self.ORDER) else None
+
+    @property
+    def done(self) -> bool:
+        """Whether every timed call was made."""
+        return self.calls >= self.WARMUP + len(self.ORDER)
+
+    def speedup(self) -> float:
+        """Eager time over compiled time (medians)."""
+        compiled = statistics.median(self.clocks["compiled"].seconds(wait=True))
+        return statistics.median(self.clocks["eager"].seconds(wait=True)) / max(compiled, 1e-9)
 
 
 def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list[str]] | None:
@@ -86,15 +105,18 @@ class RegionHooks:
         on_failure: called with a compile failure before the call is rerun eagerly; ``None`` re-raises it.
         on_recompile: called after a call that recompiled the region.
         on_slower: called once the region measured slower compiled than eager and runs eagerly from then on.
-        speedup: measure eager against compiled time once, after the region's third call.
+        speedup: measure eager against compiled time once (:class:`SpeedTrial`, on its own calls).
         eager_if_slower: run eagerly from then on if compiled measured slower (beyond :data:`SLOWER`).
         sizes_dynamic: dynamo marks a changed dimension dynamic (``dynamic`` is not ``False``): one recompile per
             such size change is expected.
+        agree: rank zero's measured speedup, on every rank (a broadcast under DDP and FSDP2): every rank then runs
+            the region the same way, compiled or eager.
     """
 
     on_failure: Callable[[BaseException], None] | None
     on_recompile: Callable[[Region], None]
     on_slower: Callable[[Region], None] = lambda region: None
+    agree: Callable[[float], float] = lambda value: value
     speedup: bool = False
     eager_if_slower: bool = False
     sizes_dynamic: bool = True
@@ -116,15 +138,18 @@ class CompiledForward:
                  compiled: Callable[..., Any], watch: DynamoWatch, hooks: RegionHooks) -> None:
         self.module, self.region, self.original, self.compiled = module, region, original, compiled
         self.watch, self.hooks = watch, hooks
+        self.device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
+        self.trial = SpeedTrial() if hooks.speedup or hooks.eager_if_slower else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         region, watch = self.region, self.watch
         region.calls += 1
-        compiles, recompiles = watch.compiles, len(watch.recompile_reasons)
+        recompiles = len(watch.recompile_reasons)
         watch.region = region
+        timed = self._trial_slot()
         try:
             with self._span():
-                out = self._run(args, kwargs)
+                out = self._timed(timed, args, kwargs)
         except COMPILE_FAILURES as err:
             if self.hooks.on_failure is None:
                 raise
@@ -134,12 +159,34 @@ class CompiledForward:
             watch.region = None
         if len(watch.recompile_reasons) != recompiles:
             self._recompiled(watch.recompile_reasons[recompiles:])
-        elif self._time_now(compiles):
-            region.speedup = measure_speedup(self.module, self.original, self.compiled, args, kwargs)
-            if self.hooks.eager_if_slower and region.speedup < 1 / (1 + SLOWER):
-                region.slower = True
-                self.hooks.on_slower(region)
+        if self.trial is not None and self.trial.done and region.speedup is None:
+            self._decide(self.trial.speedup())
         return out
+
+    def _trial_slot(self) -> str | None:
+        """This call's part in the speed trial: not a replay's or a census step's (a forced eager stance)."""
+        if self.trial is None or self.trial.done or stance() != "default" or not torch.is_grad_enabled():
+            return None
+        return self.trial.next()
+
+    def _timed(self, slot: str | None, args: tuple, kwargs: dict) -> Any:
+        if slot not in ("compiled", "eager"):
+            return self._run(args, kwargs)
+        assert self.trial is not None
+        clock = self.trial.clocks[slot]
+        clock.start(self.device)
+        out = self._run(args, kwargs) if slot == "compiled" else self.original(*args, **kwargs)
+        clock.stop(keep=True)
+        return out
+
+    def _decide(self, speedup: float) -> None:
+        # Every rank takes rank zero's figure (the trial's calls are the same on every rank), so all run the region
+        # alike from here, its collectives included.
+        region = self.region
+        region.speedup = self.hooks.agree(speedup)
+        if self.hooks.eager_if_slower and region.speedup < 1 / (1 + SLOWER):
+            region.slower = True
+            self.hooks.on_slower(region)
 
     def _recompiled(self, reasons: list[str]) -> None:
         region = self.region
@@ -165,14 +212,6 @@ class CompiledForward:
             with torch.compiler.set_stance("eager_on_recompile"):
                 return self.compiled(*args, **kwargs)
         return self.compiled(*args, **kwargs)
-
-    def _time_now(self, compiles: int) -> bool:
-        # Once, in steady state: compiled already, nothing compiled by this call, not a forced-eager replay.
-        # Not for a region past its recompile limit: it runs eager_on_recompile, and timing its compiled code here
-        # would compile a new version.
-        return ((self.hooks.speedup or self.hooks.eager_if_slower) and self.region.speedup is None
-                and not self.region.eager and self.region.calls >= 3
-                and self.watch.compiles == compiles and stance() == "default" and torch.is_grad_enabled())
 
 
 def nothing_compiled(watch: DynamoWatch, regions: dict[str, Region], compiled: list[str], whole_forward: bool,

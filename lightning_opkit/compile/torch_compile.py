@@ -67,14 +67,15 @@ class TorchCompile(OpkitCallback):
             dynamo silently runs it eagerly): ``"warn"`` names the guard that keeps failing; ``"eager"`` warns, then
             runs that region with ``torch.compiler.set_stance("eager_on_recompile")`` (its compiled code is reused,
             nothing new is compiled); ``"raise"`` raises a ``RuntimeError``.
-        measure_speedup: once per region, after it has compiled, time a few eager calls of it against compiled
-            calls on the same inputs (buffers and RNG state restored), and report eager / compiled time.
-        eager_if_slower: measure each region so (whatever ``measure_speedup`` says) and, where compiled measured
-            more than 10% slower than eager, run it eagerly from then on (its compiled code kept, unused); named in
-            the regions table, ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling
-            is meant to speed training up, and fusion is not always a win (small or launch-bound regions, a region
-            whose graph breaks); measuring costs a dozen extra calls of each region, once. ``False`` keeps every
-            region compiled.
+        measure_speedup: once per region, after it has compiled, time it compiled against eager on its own next
+            training calls (two warm-up calls, then three of each, alternating; no extra call, on the device's
+            clock), and report eager / compiled time.
+        eager_if_slower: time each region so (whatever ``measure_speedup`` says) and, where compiled measured more
+            than 10% slower than eager, run it eagerly from then on (its compiled code kept, unused); named in the
+            regions table, ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling is
+            meant to speed training up, and fusion is not always a win (small or launch-bound regions, a region
+            whose graph breaks); the price is three of each region's calls run eagerly once. Under DDP and FSDP2
+            every rank takes rank zero's figure, so all run a region alike. ``False`` keeps every region compiled.
 
     Example:
         >>> compiler = TorchCompile(modules=["model.blocks.*"], backend="aot_eager")
@@ -145,7 +146,8 @@ class TorchCompile(OpkitCallback):
                             on_recompile=self._check_recompile_limit,
                             on_slower=lambda region: self._run_eager(trainer, region),
                             speedup=self.measure_speedup, eager_if_slower=self.eager_if_slower,
-                            sizes_dynamic=self.dynamic is not False)
+                            sizes_dynamic=self.dynamic is not False,
+                            agree=lambda value: trainer.strategy.broadcast(value, src=0))
         for name, module in targets:
             # ``forward`` itself, not ``_call_impl``: dynamo converts no frame of a compiled ``_call_impl`` (nor of
             # ``nn.Module.compile()``) for torch.nn's own modules, whose code it skips; a compiled ``forward`` is
