@@ -12,7 +12,6 @@ each event and each epoch's end), ``opkit/nan/report`` (the report and its field
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -42,10 +41,11 @@ from lightning_opkit.nan.report import (
     NaNReport,
     NonFiniteError,
     Origin,
+    amended,
     format_report,
     not_reproduced,
 )
-from lightning_opkit.nan.scaler import ScaleWatch
+from lightning_opkit.nan.scaler import ScaleWatch, collapse_cause
 from lightning_opkit.nan.skip import BatchState, StepSkipper
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
@@ -273,18 +273,11 @@ class NaNDetector(OpkitCallback):
         ranks = Ranks(pl_module.device)
         resume_rng = rng_state()
         try:
-            for micro in pending:
-                origins = ranks.gather(locate(
-                    pl_module, self._step_loss(trainer, pl_module, micro), micro.rng, modules=self._hooked,
-                    forward=self.check_forward, backward=self.check_backward, loss=self.check_loss,
-                    any_rank=ranks.any))
-                seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
-                if seen:
-                    culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
-                    origin = origins[culprit]
-                    agree = functools.partial(_from_rank, ranks, culprit)
-                    cause = self._cause(trainer, pl_module, micro, origin, agree)
-                    return self._new_report(trainer, micro.batch_idx, origin, cause, culprit)
+            seen = self._first_seen(trainer, pl_module, pending, ranks)
+            if seen is not None:
+                micro, origin, culprit = seen
+                cause = self._cause(trainer, pl_module, micro, origin, functools.partial(_from_rank, ranks, culprit))
+                return self._new_report(trainer, micro.batch_idx, origin, cause, culprit)
         finally:
             set_rng_state(resume_rng)
         # Not reproduced by any replay. A sharded gradient (FSDP2, tensor parallel) is not seen by a replay's
@@ -298,16 +291,33 @@ class NaNDetector(OpkitCallback):
         unseen = Origin(phase="loss" if loss_bad else "backward", module=None)
         return self._new_report(trainer, batch_idx, unseen, not_reproduced(_ran_compiled(trainer)), 0)
 
+    def _first_seen(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
+                    ranks: Ranks, scale: float | None = None) -> tuple[_MicroBatch, Origin, int] | None:
+        """Replay micro-batches until one rank reproduces the fault: the micro-batch, the origin, that rank.
+
+        With ``scale``, the loss is scaled as the GradScaler scaled the step's, and backward alone is watched.
+        """
+        for micro in pending:
+            origins = ranks.gather(locate(
+                pl_module, self._step_loss(trainer, pl_module, micro, scale=scale), micro.rng, modules=self._hooked,
+                forward=self.check_forward and scale is None, backward=self.check_backward,
+                loss=self.check_loss and scale is None, any_rank=ranks.any))
+            seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
+            if seen:
+                culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
+                return micro, origins[culprit], culprit
+        return None
+
     def _scaler_collapsed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
                           scale: float) -> None:
         """Report the GradScaler's collapse once, with where the gradients first went non-finite at this scale."""
-        origin = self._first_bad_gradient(trainer, pl_module, pending, scale)
-        where = f"module {origin.module!r}" if origin.module else "a module no replay named"
-        cause = Cause("precision", f"{self._scale_watch.describe(scale)}: gradients overflow fp16 whatever the scale,"
-                                   " which loss scaling cannot fix (training stalls: every step is skipped); the first"
-                                   f" non-finite gradient is in {where}: run it in fp32"
-                                   + (f" (PrecisionPolicy(modules={{{origin.module!r}: 'fp32'}}))" if origin.module
-                                      else "") + " or train in bf16")
+        ranks, resume_rng = Ranks(pl_module.device), rng_state()
+        try:
+            seen = self._first_seen(trainer, pl_module, pending, ranks, scale=scale)
+        finally:
+            set_rng_state(resume_rng)
+        origin = seen[1] if seen is not None else Origin(phase="backward", module=None)
+        cause = collapse_cause(self._scale_watch.describe(scale), origin.module)
         report = self._amended(trainer, pl_module, self._new_report(
             trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), self.action in ("skip", "warn"))
         self.reports.append(report)
@@ -319,36 +329,17 @@ class NaNDetector(OpkitCallback):
         else:
             warnings.warn(format_report(report), stacklevel=3)
 
-    def _first_bad_gradient(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
-                            scale: float) -> Origin:
-        ranks, resume = Ranks(pl_module.device), rng_state()
-        try:
-            for micro in pending:
-                step_loss = self._step_loss(trainer, pl_module, micro)
-
-                def scaled(step_loss: Callable[[], Tensor | None] = step_loss) -> Tensor | None:
-                    loss = step_loss()
-                    return None if loss is None else loss * scale  # as the GradScaler scaled the step's loss
-
-                origins = ranks.gather(locate(pl_module, scaled, micro.rng, modules=self._hooked, forward=False,
-                                              backward=True, loss=False, any_rank=ranks.any))
-                seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
-                if seen:
-                    return origins[min(seen)[1]]
-        finally:
-            set_rng_state(resume)
-        return Origin(phase="backward", module=None)
-
     def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
                     rank: int) -> NaNReport:
         return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause, self.action)
 
     def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
-                   autocast: bool = True) -> Callable[[], Tensor | None]:
+                   autocast: bool = True, scale: float | None = None) -> Callable[[], Tensor | None]:
         def compute_loss() -> Tensor | None:
             plugin = trainer.precision_plugin.train_step_context() if autocast else contextlib.nullcontext()
             with quiet_logging(pl_module), plugin:
-                return loss_of(pl_module.training_step(micro.batch, micro.batch_idx))
+                loss = loss_of(pl_module.training_step(micro.batch, micro.batch_idx))
+            return loss if scale is None or loss is None else loss * scale
 
         return compute_loss
 
@@ -387,26 +378,15 @@ class NaNDetector(OpkitCallback):
     def _amended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport,
                  goes_on: bool) -> NaNReport:
         """The report with what loss scaling cannot do, and the repair: made, or a pin that did not hold."""
-        cause, path = report.cause, report.origin.module
-        if cause is None:
-            return report
-        notes = []
-        if getattr(trainer.precision_plugin, "scaler", None) is not None and report.origin.phase in ("forward",
-                                                                                                     "loss"):
-            notes.append("loss scaling cannot fix a forward overflow (the GradScaler only skips the step and lowers its"
-                         " scale, which changes nothing in the forward)")
+        path, cause = report.origin.module, report.cause
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         repair = None
-        if path and path in self._repairs.pinned:
-            notes.append(f"{path!r} was pinned to fp32 after an earlier fault and went non-finite again there: the"
-                         " pin did not hold, and is not retried")
-        elif self.repair and goes_on and cause.cause == "precision" and path:
+        if path and cause is not None and path not in self._repairs.pinned and self.repair and goes_on and \
+                cause.cause == "precision":
             repair = self._repairs.pin(pl_module, path, _pinner(trainer))
             facts_of(trainer).repairs[path] = "fp32"
-            notes.append(f"repaired: {path!r} runs in fp32 from the next step on (NaNDetector(repair=True))")
-        if not notes:
-            return report
-        return dataclasses.replace(report, cause=Cause(cause.cause, f"{cause.advice}; " + "; ".join(notes)),
-                                   repair=repair)
+        return amended(report, scaler=scaler, pinned_before=bool(path) and path in self._repairs.pinned and
+                       repair is None, repair=repair)
 
     # what gets logged where
 

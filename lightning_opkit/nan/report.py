@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Cause", "NaNReport", "NonFiniteError", "Origin", "format_report"]
+__all__ = ["Cause", "NaNReport", "NonFiniteError", "Origin", "amended", "format_report", "not_reproduced"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,38 @@ class NaNReport:
         cause = Cause(view["cause"], view.get("advice") or "") if view.get("cause") else None
         return cls(int(view.get("step", -1)), int(view.get("epoch", 0)), int(view.get("batch_idx", -1)),
                    int(view.get("rank", 0)), origin, cause, str(view.get("action", "raise")), view.get("repair"))
+
+
+def amended(report: NaNReport, scaler: bool, pinned_before: bool, repair: str | None) -> NaNReport:
+    """``report`` with what was done or cannot be done added to its cause's advice.
+
+    Args:
+        report: the report as the replays made it.
+        scaler: a GradScaler scales the loss (it cannot fix a forward overflow: said for forward and loss faults).
+        pinned_before: its module had been pinned to fp32 after an earlier fault: the pin did not hold.
+        repair: the repair just made (``"<module> -> fp32"``), if any.
+
+    Example:
+        >>> report = NaNReport(3, 0, 3, 0, Origin(phase="forward", module="fc"), Cause("precision", "finite in fp32"))
+        >>> amended(report, scaler=False, pinned_before=False, repair="fc -> fp32").cause.advice
+        "finite in fp32; repaired: 'fc' runs in fp32 from the next step on (NaNDetector(repair=True))"
+    """
+    cause, path = report.cause, report.origin.module
+    if cause is None:
+        return report
+    notes = []
+    if scaler and report.origin.phase in ("forward", "loss"):
+        notes.append("loss scaling cannot fix a forward overflow (the GradScaler only skips the step and lowers its"
+                     " scale, which changes nothing in the forward)")
+    if pinned_before:
+        notes.append(f"{path!r} was pinned to fp32 after an earlier fault and went non-finite again there: the pin"
+                     " did not hold, and is not retried")
+    if repair is not None:
+        notes.append(f"repaired: {path!r} runs in fp32 from the next step on (NaNDetector(repair=True))")
+    if not notes:
+        return report
+    return dataclasses.replace(report, cause=Cause(cause.cause, f"{cause.advice}; " + "; ".join(notes)),
+                               repair=repair)
 
 
 class NonFiniteError(RuntimeError):

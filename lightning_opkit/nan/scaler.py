@@ -8,7 +8,9 @@ module where the gradients first went non-finite.
 
 from __future__ import annotations
 
-__all__ = ["COLLAPSE", "ScaleWatch"]
+from lightning_opkit.nan.report import Cause
+
+__all__ = ["COLLAPSE", "ScaleWatch", "collapse_cause"]
 
 #: the fall of the scale, over steps skipped in a row, that counts as a collapse
 COLLAPSE = 2.0**10
@@ -48,3 +50,22 @@ class ScaleWatch:
         """The collapse in words."""
         return (f"the GradScaler's scale fell from {self.first:g} to {scale:g} over {self.skipped} steps it skipped"
                 " in a row")
+
+
+def collapse_cause(collapse: str, module: str | None) -> Cause:
+    """The cause of a collapse: loss scaling cannot fix it; where the gradients first overflowed, and what to try.
+
+    Args:
+        collapse: :meth:`ScaleWatch.describe`'s words.
+        module: the module whose gradients first went non-finite at that scale, if a replay named one.
+
+    Example:
+        >>> collapse_cause("the scale fell", "fc").advice.endswith("run it in fp32 (PrecisionPolicy(modules="
+        ...                                                      "{'fc': 'fp32'})) or train in bf16")
+        True
+    """
+    where = f"module {module!r}" if module else "a module no replay named"
+    fix = f" (PrecisionPolicy(modules={{{module!r}: 'fp32'}}))" if module else ""
+    return Cause("precision", f"{collapse}: gradients overflow fp16 whatever the scale, which loss scaling cannot fix"
+                              f" (training stalls: every step is skipped); the first non-finite gradient is in {where}:"
+                              f" run it in fp32{fix} or train in bf16")
