@@ -245,7 +245,15 @@ class TorchCompile(OpkitCallback):
         line = (f"compile ({self.backend}): {watch.compile_time_s:.1f} s compiling, {watch.graphs} graph(s),"
                 f" {sum(watch.graph_breaks().values())} graph break(s), {len(watch.recompile_reasons)} recompile(s);"
                 f" regions: {regions or '-'}")
+        expected = sum(r.expected_recompiles for r in self.regions.values())
+        if expected:
+            line += f" ({expected} of the recompiles expected: grad modes, the policy's table, a size marked dynamic)"
         lines = [line]
+        slower = {n: r.speedup for n, r in self.regions.items() if r.slower}
+        if slower:
+            lines.append("  measured slower compiled than eager (eager/compiled time), running eagerly: " + ", ".join(
+                f"{n or '<LightningModule>'} {s:.2f}x" for n, s in list(slower.items())[:4])
+                + (f" (+{len(slower) - 4} more)" if len(slower) > 4 else ""))
         if self.error is not None:
             lines.append(f"  fell back to eager: {self.error[:200]}")
         return lines
