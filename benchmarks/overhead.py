@@ -120,9 +120,12 @@ def suite_nan(args) -> None:
     medians = interleave({
         "no callback": lambda: (vit(), [], {}),
         "NaNDetector (every step)": lambda: (vit(), [NaNDetector()], {}),
+        "NaNDetector (repair=False)": lambda: (vit(), [NaNDetector(repair=False)], {}),
         "detect_anomaly=True": lambda: (vit(), [], {"detect_anomaly": True}),
     }, args.steps, args.reps, args.skip)
     report("NaNDetector overhead (forward+backward+loss checks every step)", medians, "no callback")
+    print(f"  repair on / off (nothing runs for it on a healthy step): "
+          f"{medians['NaNDetector (every step)'] / medians['NaNDetector (repair=False)']:.3f}")
     print(f"  NaNDetector / detect_anomaly: {medians['NaNDetector (every step)'] / medians['detect_anomaly=True']:.3f}")
     inside, step = hook_cost(NaNDetector, args.steps, args.skip)
     print(f"  time inside NaNDetector's hooks: {inside:.3f} ms/step"
