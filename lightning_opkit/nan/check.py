@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -9,9 +11,10 @@ from torch import Tensor
 from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.ranks import local
 from lightning_opkit.nan.report import Origin
+from lightning_opkit.nan.spike import SpikeWatch, log_loss
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["all_finite", "bad_gradient_shard", "check_step"]
+__all__ = ["Checked", "all_finite", "bad_gradient_shard", "check", "check_step"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -24,43 +27,91 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     # One fused multi-tensor kernel on CUDA; on CPU a loop of small norms, measured cheaper (0.3 ms/step on the
     # example) than concatenating the gradients first. A NaN or Inf anywhere makes its norm non-finite; the norms are
     # taken in fp32, since in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow. Even fp32
-    # overflows for a finite gradient past ~1e19 per element: :func:`check_step` confirms a failed check exactly.
+    # overflows for a finite gradient past ~1e19 per element: :func:`check` confirms a failed check exactly.
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.stack(norms).isfinite().all()
 
 
-def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:
-    """``(loss non-finite, gradients non-finite)`` on any rank: the checked step's one collective and one sync.
+@dataclass
+class Checked:
+    """What one checked step found, on every rank alike (after the one collective and the one sync).
+
+    Args:
+        loss_bad: a loss was non-finite on some rank.
+        grad_bad: a gradient was non-finite on some rank.
+        loss_z: the highest loss z-score of any rank (0 without a spike watch, or while it warms up).
+        grad_z: the highest gradient-norm z-score of any rank.
+        values: this rank's log-loss and log-gradient-norm (on the device): what enters the window if the step
+            is good.
+        norms: this rank's per-gradient norms (on the device), in ``grads`` order.
+    """
+
+    loss_bad: bool
+    grad_bad: bool
+    loss_z: float = 0.0
+    grad_z: float = 0.0
+    values: Tensor | None = None
+    norms: Tensor | None = None
+
+
+def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
+          spikes: SpikeWatch | None = None) -> Checked:
+    """The checked step's one collective and one sync: non-finite values, and (with ``spikes``) spike scores.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
-    local shard, so the check costs no all-gather, and the one ``all_reduce`` of two flags tells every rank.
+    local shard, so the check costs no all-gather, and the one ``all_reduce`` (of two flags and two scores, their
+    maximum over ranks) tells every rank the same.
 
     Args:
         losses: the step's (micro-batch) losses, detached.
         grads: the gradients to check; empty to check none.
         device: where to compute the flags when there is nothing to check.
+        spikes: the recent good steps, to score this one against (``None``: no spike detection).
 
     Example:
-        >>> check_step([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
+        >>> checked = check([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
+        >>> checked.loss_bad, checked.grad_bad
         (False, True)
     """
-    losses = [local(x).reshape(-1) for x in losses]
+    losses = [local(x).reshape(-1).float() for x in losses]
     grads = [g for g in (local(g) for g in grads) if not g.is_sparse and g.numel()]
     if losses:
         device = losses[0].device
     elif grads:
         device = grads[0].device
-    no = torch.zeros((), dtype=torch.bool, device=device)
-    loss_flag = ~torch.cat(losses).isfinite().all() if losses else no
-    grad_flag = ~all_finite(grads) if grads else no
-    flags = _any_rank(torch.stack([loss_flag, grad_flag]).float())
-    loss_bad, grad_bad = (v > 0 for v in flags.tolist())  # the one host sync of a checked step
-    if grad_bad:
-        # The slow path, on every rank alike (each saw the same flags): element by element, exactly, so that a norm
-        # overflowing on finite values is not a fault.
-        exact = torch.stack([~g.isfinite().all() for g in grads]).any() if grads else no
-        grad_bad = bool(_any_rank(exact.float().reshape(1)).item() > 0)
-    return loss_bad, grad_bad
+    zero = torch.zeros((), device=device)
+    loss = torch.cat(losses).mean() if losses else zero
+    # One fused multi-tensor kernel on CUDA; a NaN or Inf anywhere makes its norm non-finite. The norms are taken in
+    # fp32: in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow.
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
+    flags = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
+    grad_norm = norms.square().sum().sqrt() if norms is not None else zero
+    values = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
+    scores = spikes.scores(values).nan_to_num(0.0) if spikes is not None else torch.zeros_like(values)
+    found = _any_rank(torch.cat([torch.stack(flags).float(), scores]))
+    loss_bad, grad_bad, loss_z, grad_z = found.tolist()  # the one host sync of a checked step
+    grad_bad = grad_bad > 0 and _exactly_non_finite(grads)
+    return Checked(loss_bad > 0, grad_bad, loss_z if losses else 0.0, grad_z if grads else 0.0, values, norms)
+
+
+def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:
+    """``(loss non-finite, gradients non-finite)`` on any rank (:func:`check` without spike scores).
+
+    Example:
+        >>> check_step([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
+        (False, True)
+    """
+    checked = check(losses, grads, device)
+    return checked.loss_bad, checked.grad_bad
+
+
+def _exactly_non_finite(grads: list[Tensor]) -> bool:
+    """The slow path after a failed norm check, on every rank alike (each saw the same flags).
+
+    Element by element, so that a norm overflowing fp32 on finite values (past ~1e19 per element) is not a fault.
+    """
+    exact = torch.stack([~g.isfinite().all() for g in grads]).any() if grads else torch.zeros((), dtype=torch.bool)
+    return bool(_any_rank(exact.float().reshape(1)).item() > 0)
 
 
 def _any_rank(flags: Tensor) -> Tensor:
