@@ -23,6 +23,25 @@ def check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"Expected `{name}` to be an int >= {low}, but got {value!r}")
 
 
+def check_positive(name: str, value: Any, what: str) -> None:
+    """Raise unless ``value`` is ``None`` or a finite number above 0.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        what: what is allowed, in words, for the message.
+
+    Example:
+        >>> check_positive("spike_zscore", -1.0, "such as 6.0, or None")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `spike_zscore` to be a positive number (such as 6.0, or None), but got -1.0
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    if value is not None and not ok:
+        raise ValueError(f"Expected `{name}` to be a positive number ({what}), but got {value!r}")
+
+
 def check_bools(**values: Any) -> None:
     """Raise for the first argument that is not a bool.
 

@@ -44,6 +44,7 @@ class Checked:
         values: this rank's log-loss and log-gradient-norm (on the device): what enters the window if the step
             is good.
         norms: this rank's per-gradient norms (on the device), in ``grads`` order.
+        scores: this rank's own loss and gradient-norm z-scores (on the device): which rank spiked highest.
     """
 
     loss_bad: bool
@@ -52,6 +53,7 @@ class Checked:
     grad_z: float = 0.0
     values: Tensor | None = None
     norms: Tensor | None = None
+    scores: Tensor | None = None
 
 
 def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
@@ -88,10 +90,11 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     grad_norm = norms.square().sum().sqrt() if norms is not None else zero
     values = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
     scores = spikes.scores(values).nan_to_num(0.0) if spikes is not None else torch.zeros_like(values)
-    found = _any_rank(torch.cat([torch.stack(flags).float(), scores]))
+    found = _any_rank(torch.cat([torch.stack(flags).float(), scores]))  # a copy: ``scores`` stays this rank's
     loss_bad, grad_bad, loss_z, grad_z = found.tolist()  # the one host sync of a checked step
     grad_bad = grad_bad > 0 and _exactly_non_finite(grads)
-    return Checked(loss_bad > 0, grad_bad, loss_z if losses else 0.0, grad_z if grads else 0.0, values, norms)
+    return Checked(loss_bad > 0, grad_bad, loss_z if losses else 0.0, grad_z if grads else 0.0, values, norms,
+                   scores)
 
 
 def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:

@@ -12,7 +12,9 @@ each event and each epoch's end), ``opkit/nan/report`` (the report and its field
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,15 +26,16 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
-from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
+from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int, check_positive
 from lightning_opkit.core.facts import facts_of
+from lightning_opkit.core.fp32 import has_low_weights
 from lightning_opkit.core.kit import CompilesRegions, PinsModules, RunsModulesInDtype, offering
-from lightning_opkit.core.ranks import Ranks
+from lightning_opkit.core.ranks import Ranks, local
 from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.nan.cause import diagnose
-from lightning_opkit.nan.check import bad_gradient_shard, check_step
+from lightning_opkit.nan.check import Checked, bad_gradient_shard, check
 from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.report import (
@@ -47,6 +50,7 @@ from lightning_opkit.nan.report import (
 )
 from lightning_opkit.nan.scaler import ScaleWatch, collapse_cause
 from lightning_opkit.nan.skip import BatchState, StepSkipper
+from lightning_opkit.nan.spike_report import SpikeCase, Spikes, investigate, top_jumps
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
@@ -73,6 +77,63 @@ class _MicroBatch:
     batch_idx: int
     rng: tuple[Tensor, Any]
     loss: Tensor | None = None
+
+
+def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
+                      pending: list[_MicroBatch], scale: float) -> None:
+    """Report the GradScaler's collapse once, with where the gradients first went non-finite at this scale."""
+    ranks, resume_rng = Ranks(pl_module.device), rng_state()
+    try:
+        seen = detector._first_seen(trainer, pl_module, pending, ranks, scale=scale)
+    finally:
+        set_rng_state(resume_rng)
+    origin = seen[1] if seen is not None else Origin(phase="backward", module=None)
+    cause = collapse_cause(detector._scale_watch.describe(scale), origin.module)
+    report = detector._amended(trainer, pl_module, detector._new_report(
+        trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), detector.action in ("skip", "warn"))
+    detector.reports.append(report)
+    detector._log(trainer, report)
+    if detector.action == "raise":
+        raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
+    if detector.action == "stop":
+        trainer.should_stop = True
+    else:
+        warnings.warn(format_report(report), stacklevel=3)
+
+
+def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
+                  pending: list[_MicroBatch], checked: Checked, kind: str,
+                  optimizer: torch.optim.Optimizer) -> NaNReport:
+    """A spike's report: where it starts, what jumped, and why (see :func:`.spike_report.investigate`)."""
+    spikes = detector._spikes
+    if checked.scores is None or spikes.watch is None:
+        raise RuntimeError("NaNDetector: a spike was scored without a spike watch")
+    ranks, resume_rng = Ranks(pl_module.device), rng_state()
+    own = checked.scores[0 if kind == "loss" else 1].item()  # the slow path: syncs freely
+    rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]  # the rank that spiked highest (lowest on a tie)
+    agree = functools.partial(_from_rank, ranks, rank)
+    micro = max(pending, key=lambda m: -math.inf if m.loss is None else m.loss.float().mean().item())
+    good, n = spikes.last_good, max(len(pending), 1)
+    step_loss = detector._step_loss
+    case = SpikeCase(pl_module, detector._hooked, functools.partial(step_loss, trainer, pl_module, micro), micro.rng,
+                     None if good is None else (step_loss(trainer, pl_module, good), good.rng), micro.batch_idx, kind,
+                     spikes.zscore, 1 / n)
+    policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))
+    names = {id(p): name for name, p in pl_module.named_parameters()}
+    stepped = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
+               if p.grad is not None and not local(p.grad).is_sparse and local(p.grad).numel()]
+    lowered = "mixed" in str(trainer.precision) or has_low_weights(pl_module) or bool(policies)
+    try:
+        found = investigate(case, spikes.watch, lambda: top_jumps(checked.norms, spikes.running, stepped), policies,
+                            lowered, _ran_compiled(trainer), agree)
+    finally:
+        set_rng_state(resume_rng)
+    # the loss as training_step returned it: Lightning hands on_before_backward it divided by the accumulation
+    loss = agree(None if micro.loss is None else micro.loss.float().mean().item() * n)
+    report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause,
+                       detector.action)
+    return dataclasses.replace(report, kind="spike", loss=loss, zscore=checked.loss_z if kind == "loss" else
+                               checked.grad_z, top_modules=found.top_modules, top_parameters=found.top_parameters)
 
 
 class NaNDetector(OpkitCallback):
@@ -116,6 +177,8 @@ class NaNDetector(OpkitCallback):
         modules: Optional[list[str]] = None,
         max_consecutive_skips: int = 10,
         repair: bool = True,
+        spike_zscore: Optional[float] = None,
+        spike_window: int = 100,
     ) -> None:
         super().__init__()
         check_choice("action", action, _ACTIONS)
@@ -125,6 +188,8 @@ class NaNDetector(OpkitCallback):
         check_int("every_n_steps", every_n_steps, 1)
         check_int("max_consecutive_skips", max_consecutive_skips, 1)
         check_globs("modules", modules)
+        check_int("spike_window", spike_window, 2)
+        check_positive("spike_zscore", spike_zscore, "such as 6.0, or None")
         self.action = action
         self.check_forward = check_forward
         self.check_backward = check_backward
@@ -133,6 +198,8 @@ class NaNDetector(OpkitCallback):
         self.modules = list(modules) if modules is not None else None
         self.max_consecutive_skips = max_consecutive_skips
         self.repair = repair
+        self.spike_zscore = None if spike_zscore is None else float(spike_zscore)
+        self.spike_window = spike_window
 
         #: every event of this run, typed; :attr:`events` is their dict view
         self.reports: list[NaNReport] = []
@@ -143,6 +210,7 @@ class NaNDetector(OpkitCallback):
         self._skipper = StepSkipper(self._patches)
         self._repairs = Repairs()
         self._scale_watch = ScaleWatch()
+        self._spikes = Spikes(self.spike_zscore or math.inf, spike_window)
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -162,7 +230,7 @@ class NaNDetector(OpkitCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"events": self.events, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
-                "repairs": dict(self._repairs.pinned)}
+                "repairs": dict(self._repairs.pinned), "spikes": self._spikes.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -170,20 +238,24 @@ class NaNDetector(OpkitCallback):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
         self._repairs.pinned = dict(state_dict.get("repairs", {}))  # pinned again at the fit's start
+        self._spikes.load_state_dict(state_dict.get("spikes", {}))
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """One chart: events, skipped steps, consecutive skips."""
         return {"opkit nan": {"non-finite events and skipped steps": [
             "Multiline", [r"opkit/nan/events", r"opkit/nan/skipped_steps", r"opkit/nan/consecutive_skips",
-                          r"opkit/nan/repairs"]]}}
+                          r"opkit/nan/repairs", r"opkit/nan/spikes"]]}}
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
-        line = f"NaN/Inf: {len(self.reports)} event(s), {self.skipped_steps} skipped step(s) (action={self.action!r})"
-        if self.reports:
-            first = self.reports[0]
+        faults = [r for r in self.reports if r.kind == "non_finite"]
+        line = f"NaN/Inf: {len(faults)} event(s), {self.skipped_steps} skipped step(s) (action={self.action!r})"
+        if faults:
+            first = faults[0]
             line += f"; first at step {first.step}: {first.origin.phase} in {first.origin.module or '<the loss>'!r}"
         lines = [line]
+        if self.spike_zscore is not None:
+            lines.append(self._spikes.summary_line(self.reports))
         if self._repairs.pinned:
             lines.append("  repaired (pinned to fp32 after a precision fault, repair=True): " + ", ".join(
                 f"{path} at step {next((r.step for r in self.reports if r.repair and r.repair.startswith(path)), '-')}"
@@ -200,6 +272,8 @@ class NaNDetector(OpkitCallback):
         self._hooked = (resolve_modules(pl_module, self.modules, owner="NaNDetector") if self.modules is not None
                         else list(pl_module.named_modules()))
         self._skipper.watch_buffers(list(pl_module.buffers()))
+        if self.spike_zscore is not None:
+            self._spikes.start(pl_module.device)
         self._open_writer(trainer, stage)
 
     @override
@@ -246,11 +320,18 @@ class NaNDetector(OpkitCallback):
             return
         pending, self._pending = self._pending, []
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        loss_bad, grad_bad = check_step([m.loss for m in pending if m.loss is not None],
-                                        grads if self.check_backward else [], pl_module.device)
+        checked = check([m.loss for m in pending if m.loss is not None], grads if self.check_backward else [],
+                        pl_module.device, self._spikes.watch)
+        loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
+        spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(checked.loss_z, checked.grad_z)
+        if spiked is not None:
+            self._act(trainer, pl_module, _spike_report(trainer, pl_module, self, pending, checked, spiked, optimizer))
+            return
         if not (loss_bad or grad_bad):
             self.consecutive_skips = 0
             self._scale_watch.healthy()
+            if self._spikes.watch is not None:
+                self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None)
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and grad_bad and not loss_bad:
@@ -259,7 +340,7 @@ class NaNDetector(OpkitCallback):
             self._skipper.state = BatchState.SCALER_SKIP
             scale = float(scaler.get_scale())
             if self._scale_watch.skipped_step(scale):
-                self._scaler_collapsed(trainer, pl_module, pending, scale)
+                _scaler_collapsed(trainer, pl_module, self, pending, scale)
             return
         self._act(trainer, pl_module, self._report(trainer, pl_module, pending, loss_bad, optimizer))
 
@@ -307,27 +388,6 @@ class NaNDetector(OpkitCallback):
                 culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
                 return micro, origins[culprit], culprit
         return None
-
-    def _scaler_collapsed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
-                          scale: float) -> None:
-        """Report the GradScaler's collapse once, with where the gradients first went non-finite at this scale."""
-        ranks, resume_rng = Ranks(pl_module.device), rng_state()
-        try:
-            seen = self._first_seen(trainer, pl_module, pending, ranks, scale=scale)
-        finally:
-            set_rng_state(resume_rng)
-        origin = seen[1] if seen is not None else Origin(phase="backward", module=None)
-        cause = collapse_cause(self._scale_watch.describe(scale), origin.module)
-        report = self._amended(trainer, pl_module, self._new_report(
-            trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), self.action in ("skip", "warn"))
-        self.reports.append(report)
-        self._log(trainer, report)
-        if self.action == "raise":
-            raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
-        if self.action == "stop":
-            trainer.should_stop = True
-        else:
-            warnings.warn(format_report(report), stacklevel=3)
 
     def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
                     rank: int) -> NaNReport:
@@ -379,7 +439,7 @@ class NaNDetector(OpkitCallback):
                  goes_on: bool) -> NaNReport:
         """The report with what loss scaling cannot do, and the repair: made, or a pin that did not hold."""
         path, cause = report.origin.module, report.cause
-        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None and report.kind == "non_finite"
         repair = None
         if path and cause is not None and path not in self._repairs.pinned and self.repair and goes_on and \
                 cause.cause == "precision":
@@ -398,7 +458,8 @@ class NaNDetector(OpkitCallback):
     def _log_counters(self, trainer: pl.Trainer) -> None:
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,
                                     "consecutive_skips": self.consecutive_skips,
-                                    "repairs": len(self._repairs.pinned)}, trainer.global_step)
+                                    "repairs": len(self._repairs.pinned),
+                                    "spikes": sum(r.kind == "spike" for r in self.reports)}, trainer.global_step)
 
     def _log(self, trainer: pl.Trainer, report: NaNReport) -> None:
         if self._writer is None:

@@ -98,7 +98,7 @@ SHARD_ONLY = Cause("unknown", "found in the step's own gradient shard; a sharded
 
 @dataclass(frozen=True)
 class NaNReport:
-    """One non-finite event: the step, the origin, the cause and the action.
+    """One fault (a non-finite value, or a spike): the step, the origin, the cause and the action.
 
     :meth:`as_dict` is its public view (``NaNDetector.events``, ``NonFiniteError.report``, checkpoints).
 
@@ -111,6 +111,11 @@ class NaNReport:
         cause: why, when a cause replay ran.
         action: the detector's action.
         repair: what was repaired after it (``"<module> -> fp32"``), else ``None``.
+        kind: ``"non_finite"`` or ``"spike"``.
+        loss: a spike's loss (the mean over its micro-batches on the rank that spiked).
+        zscore: a spike's score: deviations above the recent good steps (the loss's, or the gradient norm's).
+        top_modules: a spike's modules whose outputs departed most from the last good batch's, first first.
+        top_parameters: a spike's parameters whose gradient norms jumped most against their running norms.
 
     Example:
         >>> report = NaNReport(3, 0, 3, 0, Origin(phase="loss", module="", module_type="Net", op_class="loss", nan=1),
@@ -127,14 +132,25 @@ class NaNReport:
     cause: Cause | None = None
     action: str = "raise"
     repair: str | None = None
+    kind: str = "non_finite"
+    loss: float | None = None
+    zscore: float | None = None
+    top_modules: tuple[str, ...] = ()
+    top_parameters: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """The flat dict view: step, epoch, batch_idx, rank, the origin's fields, cause, advice, action, repair."""
+        """The flat dict view: where, what and why, and what was done.
+
+        That is: step, epoch, batch_idx, rank, kind, the origin's fields, cause, advice, action, repair, and a
+        spike's loss, zscore, top modules and parameters.
+        """
         cause = {"cause": self.cause.cause, "advice": self.cause.advice} if self.cause else {"cause": None,
                                                                                                 "advice": None}
         origin = {k: v for k, v in dataclasses.asdict(self.origin).items() if k != "seq"}
-        return {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx, "rank": self.rank, **origin,
-                **cause, "action": self.action, "repair": self.repair}
+        return {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx, "rank": self.rank,
+                "kind": self.kind, **origin, **cause, "action": self.action, "repair": self.repair, "loss": self.loss,
+                "zscore": self.zscore, "top_modules": list(self.top_modules),
+                "top_parameters": list(self.top_parameters)}
 
     @classmethod
     def from_dict(cls, view: dict[str, Any]) -> NaNReport:
@@ -143,7 +159,9 @@ class NaNReport:
         origin = Origin(**{k: v for k, v in view.items() if k in fields})
         cause = Cause(view["cause"], view.get("advice") or "") if view.get("cause") else None
         return cls(int(view.get("step", -1)), int(view.get("epoch", 0)), int(view.get("batch_idx", -1)),
-                   int(view.get("rank", 0)), origin, cause, str(view.get("action", "raise")), view.get("repair"))
+                   int(view.get("rank", 0)), origin, cause, str(view.get("action", "raise")), view.get("repair"),
+                   str(view.get("kind", "non_finite")), view.get("loss"), view.get("zscore"),
+                   tuple(view.get("top_modules") or ()), tuple(view.get("top_parameters") or ()))
 
 
 def amended(report: NaNReport, scaler: bool, pinned_before: bool, repair: str | None) -> NaNReport:
@@ -212,6 +230,8 @@ def format_report(report: NaNReport | dict[str, Any]) -> str:
     """
     r = report.as_dict() if isinstance(report, NaNReport) else report
     cause = f" Cause: {r['cause']}: {r['advice']}." if r.get("cause") else ""
+    if r.get("kind") == "spike":
+        return _format_spike(r) + cause
     phase, step = r["phase"], r["step"]
     where = {"forward": "output", "backward": "gradient", "loss": "loss"}.get(phase, phase)
     if r.get("module") is None:
@@ -232,3 +252,16 @@ def format_report(report: NaNReport | dict[str, Any]) -> str:
         rng = f"min {r['input_min']:.4g}, max {r['input_max']:.4g}, abs-max {r['input_absmax']:.4g}"
         text += f" while its {'inputs' if phase == 'forward' else 'output gradients'} were finite ({rng})"
     return text + "." + cause
+
+
+def _format_spike(r: dict[str, Any]) -> str:
+    what = "loss" if r["phase"] == "loss" else "gradient norm"
+    text = (f"{what.capitalize()} spike at global step {r['step']} (batch {r['batch_idx']}): loss {r['loss']:.4g},"
+            f" {r['zscore']:.1f} deviations above the recent good steps")
+    if r.get("module"):
+        text += f"; the first module whose outputs departed from the last good batch's: '{r['module']}'"
+    elif r.get("module") is not None:
+        text += "; no module's outputs departed from the last good batch's: the batch itself differs"
+    if r.get("top_parameters"):
+        text += f"; gradients jumped most in {', '.join(r['top_parameters'])}"
+    return text + "."

@@ -1,14 +1,18 @@
 """Loss and gradient-norm spikes: robust z-scores against the recent good steps, computed on the device.
 
 A step is a spike when its loss (or its global gradient norm) is more than ``zscore`` deviations above the recent
-good steps. The statistic is the median and the median absolute deviation (MAD, times 1.4826: the standard deviation
-of a normal sample) of the last ``window`` good steps, in log space:
+good steps. In log space, against the last ``window`` good steps:
 
-- log space, because a loss falls over orders of magnitude and a spike is a ratio (x30), not a difference; the loss
-  through ``sign(x) * log1p(|x|)``, which is the log for large losses and stays defined for small or negative ones;
-  the gradient norm through ``log``;
-- median and MAD, because they are not moved by the outliers they are there to catch, and a loss still falling sits
-  below its recent median (a negative score) instead of alarming;
+- the level is the median of the last 10 good steps: it follows a loss that is still falling, where a median over
+  the whole window would sit far above it;
+- the deviation is the step-to-step noise: the median absolute deviation (MAD) of successive differences, times
+  1.4826 (the standard deviation of a normal sample) over sqrt(2) (a difference has two steps' noise). The trend of
+  a falling loss makes every difference alike, so it does not inflate the deviation as the spread of the values
+  themselves would (a run's first, steep steps would make any later spike look small);
+- median and MAD, because they are not moved by the outliers they are there to catch;
+- log space, because a loss falls over orders of magnitude and a spike is a ratio, not a difference; the loss
+  through ``sign(x) * log1p(|x|)``, which is the log for large losses and stays defined for small or negative ones
+  (so a loss below about 0.1 counts by its absolute rise);
 - a floor of 0.1 in log space under the deviation (about 10%), because a loss that has converged moves by almost
   nothing, and a few percent up would otherwise score in the thousands;
 - a warm-up of ``min(window, 20)`` good steps before any step is judged;
@@ -20,16 +24,26 @@ and it travels to the host with the check's flags, in the same one sync.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["FLOOR", "SpikeWatch", "log_loss"]
+from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.ranks import local_floats
+from lightning_opkit.core.replay import run_step, set_rng_state
+
+__all__ = ["DEPARTS", "FLOOR", "SpikeWatch", "departures", "log_loss"]
+
+#: a module's outputs depart from the good batch's when their RMS differs by this factor, either way
+DEPARTS = 4.0
 
 #: the deviation's floor, in log space
 FLOOR = 0.1
 _WARMUP = 20
+_RECENT = 10
 
 
 def log_loss(loss: Tensor) -> Tensor:
@@ -77,10 +91,12 @@ class SpikeWatch:
         """
         if not self.ready:
             return torch.zeros_like(values)
-        seen = self.values[: min(self.count, self.window)]
-        median = seen.median(dim=0).values
-        mad = (seen - median).abs().median(dim=0).values
-        return (values - median) / (1.4826 * mad + FLOOR)
+        seen = self.values[: self.count] if self.count <= self.window else \
+            self.values.roll(-(self.count % self.window), dims=0)  # oldest first
+        level = seen[-_RECENT:].median(dim=0).values
+        steps = seen.diff(dim=0)
+        mad = (steps - steps.median(dim=0).values).abs().median(dim=0).values
+        return (values - level) / (1.4826 / math.sqrt(2) * mad + FLOOR)
 
     def record(self, values: Tensor) -> None:
         """A good step's values enter the window (in place, no sync)."""
@@ -97,3 +113,68 @@ class SpikeWatch:
         if values.shape == self.values.shape:
             self.values.copy_(values)
             self.count = int(state.get("count", 0))
+
+
+def _rms(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any,
+         modules: list[tuple[str, nn.Module]]) -> list[tuple[str, float]]:
+    """Each module's output RMS in a forward replay of one micro-batch, in call order."""
+    seen: list[tuple[str, float]] = []
+    patches = Patches()
+
+    def hook(path: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            outs = local_floats(output)
+            if outs:
+                square = sum(float(t.detach().float().square().sum()) for t in outs)
+                seen.append((path, math.sqrt(square / max(sum(t.numel() for t in outs), 1))))
+
+        return record
+
+    for path, module in modules:
+        if path:
+            patches.hold(module.register_forward_hook(hook(path)))
+    set_rng_state(rng)
+    try:
+        run_step(model, compute_loss, backward=False)
+    finally:
+        patches.restore()
+    return seen
+
+
+def departures(model: nn.Module, spiked: tuple[Callable[[], Tensor | None], Any],
+               good: tuple[Callable[[], Tensor | None], Any],
+               modules: list[tuple[str, nn.Module]]) -> list[tuple[str, float]]:
+    """Each module's output RMS on the spiked micro-batch over the last good one's, in forward order.
+
+    Both replays run on the same (current) weights, each from its own RNG state, forward only; buffers and metrics
+    are put back after each. A module called more than once is compared call by call.
+
+    Args:
+        model: the root module.
+        spiked: the spiked micro-batch's loss function and RNG state.
+        good: the last good micro-batch's.
+        modules: ``(path, module)`` pairs to watch.
+
+    Returns:
+        ``(path, ratio)`` per module call, in the spiked replay's call order.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 1))
+        >>> x, rng = torch.ones(2, 4), torch.get_rng_state()
+        >>> ratios = departures(net, (lambda: net(30 * x).sum(), (rng, None)), (lambda: net(x).sum(), (rng, None)),
+        ...                     list(net.named_modules()))
+        >>> [path for path, r in ratios if abs(math.log(r)) > math.log(DEPARTS)][:1]
+        ['0']
+    """
+    first = _rms(model, *spiked, modules)
+    second = _rms(model, *good, modules)
+    calls: dict[str, list[float]] = {}
+    for path, rms in second:
+        calls.setdefault(path, []).append(rms)
+    out, used = [], dict.fromkeys(calls, 0)
+    for path, rms in first:
+        if used.get(path, 0) < len(calls.get(path, [])):
+            out.append((path, rms / max(calls[path][used[path]], 1e-30)))
+            used[path] += 1
+    return out

@@ -1,0 +1,122 @@
+"""Loss and gradient-norm spikes: detected in the step's one check, skipped with nothing lost, located, explained."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import read_events
+from torch.utils.data import DataLoader, TensorDataset
+from zoo import CASES, SEQ, VOCAB, ZooModule
+
+from lightning_opkit import NaNDetector
+
+#: the pattern converges in ~60 steps (loss near 0.005 on every case used here); the fault comes after
+FAULT_STEP = 70
+
+
+class Steady(ZooModule):
+    """A zoo model under a constant learning rate: the loss keeps falling instead of freezing with the LR."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def _pattern(n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` batches of 4 sequences counting up modulo 8 from random offsets: a pattern an LM learns."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 8, (n, 4, 1), generator=g) + torch.arange(SEQ)) % 8
+
+
+def _loader(batches: torch.Tensor) -> DataLoader:
+    ids = batches.reshape(-1, SEQ)
+    return DataLoader(TensorDataset(ids, torch.zeros(len(ids), dtype=torch.long)), batch_size=4)
+
+
+class Losses(pl.Callback):
+    """Every step's loss, in order (a skipped step's too)."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(tmp_path, name, batches, detector, *extra, steps=None, **module_kwargs):
+    torch.manual_seed(0)
+    model = Steady(CASES[name], **module_kwargs)
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps or len(batches), logger=pl.loggers.TensorBoardLogger(
+        str(tmp_path), name="", version=""), callbacks=[detector, losses, *extra], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), deterministic=True)
+    trainer.fit(model, _loader(batches))
+    return model, losses.losses
+
+
+def test_a_corrupted_batch_is_skipped_and_the_run_goes_on_as_if_it_never_came(tmp_path):
+    clean = _pattern(FAULT_STEP + 10)
+    noise = torch.randint(0, VOCAB, (1, 4, SEQ), generator=torch.Generator().manual_seed(1))
+    corrupted = torch.cat([clean[:FAULT_STEP], noise, clean[FAULT_STEP:]])
+    detector = NaNDetector(action="skip", spike_zscore=6.0)
+    spiked_model, spiked = _fit(tmp_path / "a", "torch_encoder", corrupted, detector)
+    clean_model, losses = _fit(tmp_path / "b", "torch_encoder", clean, NaNDetector(action="skip", spike_zscore=6.0))
+
+    assert spiked[FAULT_STEP] > 100 * max(spiked[FAULT_STEP - 5:FAULT_STEP])  # it is a spike (8.7 against ~0.005)
+    [event] = detector.events
+    assert (event["kind"], event["step"], event["batch_idx"], event["action"]) == ("spike", FAULT_STEP, FAULT_STEP,
+                                                                                     "skip")
+    assert event["zscore"] > 6.0
+    assert event["loss"] == pytest.approx(spiked[FAULT_STEP], rel=1e-5)
+    assert event["cause"] == "data_or_model"
+    assert f"batch {FAULT_STEP}" in event["advice"]
+    assert event["top_parameters"]
+    assert all("x)" in p for p in event["top_parameters"])
+    # nothing lost: every later step sees the weights and optimizer state of the run that never saw the batch
+    assert spiked[:FAULT_STEP] == losses[:FAULT_STEP]
+    assert spiked[FAULT_STEP + 1:] == losses[FAULT_STEP:]
+    assert all(torch.equal(a, b) for a, b in zip(spiked_model.state_dict().values(),
+                                                  clean_model.state_dict().values(), strict=True))
+    assert detector.skipped_steps == 1
+    assert detector.consecutive_skips == 0
+
+    scalars, texts = read_events(str(tmp_path / "a"))
+    assert scalars["opkit/nan/spikes"][-1][1] == 1
+    assert scalars["opkit/nan/skipped_steps"][-1][1] == 1
+    assert any("Loss spike at global step 70" in t for _, t in texts["opkit/nan/report"])
+    assert "spikes (z > 6" in "\n".join(detector.summary_lines())
+
+
+class OneTimeTimes30(pl.Callback):
+    """Multiplies one module's output by 30 once, at one step's training forward: a flipped exponent bit."""
+
+    def __init__(self, path: str, step: int):
+        self.path, self.step, self.fired = path, step, False
+
+    def on_fit_start(self, trainer, pl_module):
+        self.handle = pl_module.model.get_submodule(self.path).register_forward_hook(self._hook)
+        self.trainer = trainer
+
+    def on_fit_end(self, trainer, pl_module):
+        self.handle.remove()
+
+    def _hook(self, module, args, output):
+        if not self.fired and self.trainer.global_step == self.step:
+            self.fired = True  # the replays of this step run clean, as they would on healthy hardware
+            return output * 30
+        return None
+
+
+def test_a_one_time_activation_corruption_is_skipped_and_called_transient(tmp_path):
+    batches = _pattern(FAULT_STEP + 5)
+    detector = NaNDetector(action="skip", spike_zscore=6.0)
+    model, losses = _fit(tmp_path, "hf_gpt2", batches, detector, OneTimeTimes30("transformer.h.0.attn.c_proj",
+                                                                                 FAULT_STEP))
+    [event] = detector.events
+    assert (event["kind"], event["step"], event["cause"]) == ("spike", FAULT_STEP, "transient")
+    assert "silent data corruption" in event["advice"]
+    assert "device" in event["advice"]
+    assert event["module"] is None  # a calm replay cannot show where it started
+    assert losses[FAULT_STEP] > 100 * losses[FAULT_STEP - 1]
+    assert max(losses[FAULT_STEP + 1:]) < 10 * losses[FAULT_STEP - 1]  # the bad update never happened
+
