@@ -10,6 +10,7 @@ hook's cost is inside it), median over the steps after ``--skip`` warm-up steps,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -121,15 +122,19 @@ def suite_nan(args) -> None:
         "no callback": lambda: (vit(), [], {}),
         "NaNDetector (every step)": lambda: (vit(), [NaNDetector()], {}),
         "NaNDetector (repair=False)": lambda: (vit(), [NaNDetector(repair=False)], {}),
+        "NaNDetector (spike_zscore=6)": lambda: (vit(), [NaNDetector(spike_zscore=6.0)], {}),
         "detect_anomaly=True": lambda: (vit(), [], {"detect_anomaly": True}),
     }, args.steps, args.reps, args.skip)
     report("NaNDetector overhead (forward+backward+loss checks every step)", medians, "no callback")
     print(f"  repair on / off (nothing runs for it on a healthy step): "
           f"{medians['NaNDetector (every step)'] / medians['NaNDetector (repair=False)']:.3f}")
+    print(f"  spikes on / off (the same one sync; a few reductions on the device): "
+          f"{medians['NaNDetector (spike_zscore=6)'] / medians['NaNDetector (every step)']:.3f}")
     print(f"  NaNDetector / detect_anomaly: {medians['NaNDetector (every step)'] / medians['detect_anomaly=True']:.3f}")
-    inside, step = hook_cost(NaNDetector, args.steps, args.skip)
-    print(f"  time inside NaNDetector's hooks: {inside:.3f} ms/step"
-          f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")
+    for label, kwargs in (("", {}), (" with spike_zscore=6", {"spike_zscore": 6.0})):
+        inside, step = hook_cost(functools.partial(NaNDetector, **kwargs), args.steps, args.skip)
+        print(f"  time inside NaNDetector's hooks{label}: {inside:.3f} ms/step"
+              f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")
 
 
 def suite_precision(args) -> None:

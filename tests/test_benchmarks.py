@@ -13,11 +13,13 @@ def test_overhead_harness_prints_ratios_with_an_a_a_control():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = re.findall(r"^\s+(.+?)\s+([\d.]+) ms/step\s+ratio vs no callback: ([\d.]+)$", out, re.M)
     assert [r[0] for r in rows] == ["no callback", "NaNDetector (every step)", "NaNDetector (repair=False)",
-                                    "detect_anomaly=True", "no callback (A/A control)"]
+                                    "NaNDetector (spike_zscore=6)", "detect_anomaly=True", "no callback (A/A control)"]
     assert float(rows[0][2]) == 1.0
     assert all(float(r[1]) > 0 for r in rows)
     assert "NaNDetector / detect_anomaly:" in out
     assert "repair on / off" in out
+    assert "spikes on / off" in out
+    assert "time inside NaNDetector's hooks with spike_zscore=6" in out
 
 
 def test_roofline_cost_harness_prints_the_ratio_with_and_without_the_roofline(tmp_path):
@@ -31,3 +33,13 @@ def test_roofline_cost_harness_prints_the_ratio_with_and_without_the_roofline(tm
     assert "the roofline's extra cost per window" in out
     assert "| matmul | fp32 |" in out
     assert picture.stat().st_size > 10_000
+
+
+def test_spike_false_alarm_harness_prints_the_rate():
+    script = os.path.join(os.path.dirname(SCRIPT), "spike_false_alarms.py")
+    out = subprocess.run([sys.executable, script, "--steps", "30", "--models", "torch_mha", "hf_gpt2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = re.findall(r"^\s+(\w+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert [r[0] for r in rows] == ["torch_mha", "hf_gpt2"]
+    assert all(int(r[1]) == 10 for r in rows)  # 30 steps, 20 of warm-up
+    assert re.search(r"false-alarm rate: \d+ in 20 judged steps", out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -13,6 +15,8 @@ from lightning_opkit import NaNDetector
 
 #: the pattern converges in ~60 steps (loss near 0.005 on every case used here); the fault comes after
 FAULT_STEP = 70
+#: a healthy run long enough to judge 180 steps past the warm-up
+STEPS = 200
 
 
 class Steady(ZooModule):
@@ -79,6 +83,7 @@ def test_a_corrupted_batch_is_skipped_and_the_run_goes_on_as_if_it_never_came(tm
                                                   clean_model.state_dict().values(), strict=True))
     assert detector.skipped_steps == 1
     assert detector.consecutive_skips == 0
+    assert detector.state_dict()["spikes"]["count"] == len(clean)  # every good step entered the window, the spike not
 
     scalars, texts = read_events(str(tmp_path / "a"))
     assert scalars["opkit/nan/spikes"][-1][1] == 1
@@ -120,3 +125,33 @@ def test_a_one_time_activation_corruption_is_skipped_and_called_transient(tmp_pa
     assert losses[FAULT_STEP] > 100 * losses[FAULT_STEP - 1]
     assert max(losses[FAULT_STEP + 1:]) < 10 * losses[FAULT_STEP - 1]  # the bad update never happened
 
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_no_false_alarm_over_a_healthy_run(tmp_path, name):
+    # 16 batches an epoch, 12 epochs: the loss falls while the model memorizes, with the epoch's batches repeating
+    torch.manual_seed(0)
+    model = Steady(CASES[name], lr=1e-3)
+    detector = NaNDetector(action="skip", spike_zscore=6.0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, callbacks=[detector],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model, model.loader(n=64))
+    assert detector.events == []
+    spikes = detector.state_dict()["spikes"]
+    assert spikes["judged"] == STEPS - 20  # every step past the warm-up was judged, none alarmed
+    assert max(spikes["highest"]) < 6.0
+    print(f"{name}: highest z of a good step: loss {spikes['highest'][0]:.2f}, grad {spikes['highest'][1]:.2f}")
+
+
+def test_under_ddp_a_spike_on_one_rank_is_skipped_by_both_with_the_same_report(tmp_path):
+    from test_ddp import run_two_ranks
+
+    r0, r1 = run_two_ranks(os.path.join(os.path.dirname(__file__), "ddp_spike_script.py"), tmp_path, "-")
+    assert r0["events"] == r1["events"]
+    [event] = r0["events"]
+    assert (event["step"], event["kind"], event["rank"], event["cause"]) == (FAULT_STEP, "spike", 1, "data_or_model")
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r1["losses"][FAULT_STEP] > 100 * r1["losses"][FAULT_STEP - 1]  # only rank 1 saw the bad batch
+    assert r0["losses"][FAULT_STEP] < 2 * r0["losses"][FAULT_STEP - 1]
+    assert r0["weights"] == r1["weights"]  # both left the step out: still in lockstep

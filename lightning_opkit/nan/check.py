@@ -11,7 +11,7 @@ from torch import Tensor
 from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.ranks import local
 from lightning_opkit.nan.report import Origin
-from lightning_opkit.nan.spike import SpikeWatch, log_loss
+from lightning_opkit.nan.spike import log_loss
 from lightning_opkit.opclass import classify_module
 
 __all__ = ["Checked", "all_finite", "bad_gradient_shard", "check", "check_step"]
@@ -34,41 +34,35 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
 
 @dataclass
 class Checked:
-    """What one checked step found, on every rank alike (after the one collective and the one sync).
+    """What one checked step found, the same on every rank (after the one collective and the one sync).
 
     Args:
         loss_bad: a loss was non-finite on some rank.
         grad_bad: a gradient was non-finite on some rank.
-        loss_z: the highest loss z-score of any rank (0 without a spike watch, or while it warms up).
-        grad_z: the highest gradient-norm z-score of any rank.
-        values: this rank's log-loss and log-gradient-norm (on the device): what enters the window if the step
-            is good.
+        values: the step's log-loss and log-gradient-norm, their maximum over ranks (on the host): what a spike is
+            scored on, and what enters the window if the step is good.
+        local: this rank's own log-loss and log-gradient-norm (on the device; read only after a spike).
         norms: this rank's per-gradient norms (on the device), in ``grads`` order.
-        scores: this rank's own loss and gradient-norm z-scores (on the device): which rank spiked highest.
     """
 
     loss_bad: bool
     grad_bad: bool
-    loss_z: float = 0.0
-    grad_z: float = 0.0
-    values: Tensor | None = None
+    values: tuple[float, float] = (0.0, 0.0)
+    local: Tensor | None = None
     norms: Tensor | None = None
-    scores: Tensor | None = None
 
 
-def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
-          spikes: SpikeWatch | None = None) -> Checked:
-    """The checked step's one collective and one sync: non-finite values, and (with ``spikes``) spike scores.
+def check(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> Checked:
+    """The checked step's one collective and one sync: non-finite flags, and the values spikes are scored on.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
-    local shard, so the check costs no all-gather, and the one ``all_reduce`` (of two flags and two scores, their
+    local shard, so the check costs no all-gather, and the one ``all_reduce`` (of two flags and two values, their
     maximum over ranks) tells every rank the same.
 
     Args:
         losses: the step's (micro-batch) losses, detached.
         grads: the gradients to check; empty to check none.
         device: where to compute the flags when there is nothing to check.
-        spikes: the recent good steps, to score this one against (``None``: no spike detection).
 
     Example:
         >>> checked = check([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
@@ -88,13 +82,11 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
     flags = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
     grad_norm = norms.square().sum().sqrt() if norms is not None else zero
-    values = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
-    scores = spikes.scores(values).nan_to_num(0.0) if spikes is not None else torch.zeros_like(values)
-    found = _any_rank(torch.cat([torch.stack(flags).float(), scores]))  # a copy: ``scores`` stays this rank's
-    loss_bad, grad_bad, loss_z, grad_z = found.tolist()  # the one host sync of a checked step
+    own = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
+    found = _any_rank(torch.cat([torch.stack(flags).float(), own]))  # a copy: ``own`` stays this rank's
+    loss_bad, grad_bad, loss_value, grad_value = found.tolist()  # the one host sync of a checked step
     grad_bad = grad_bad > 0 and _exactly_non_finite(grads)
-    return Checked(loss_bad > 0, grad_bad, loss_z if losses else 0.0, grad_z if grads else 0.0, values, norms,
-                   scores)
+    return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms)
 
 
 def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:

@@ -106,10 +106,11 @@ def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: 
                   optimizer: torch.optim.Optimizer) -> NaNReport:
     """A spike's report: where it starts, what jumped, and why (see :func:`.spike_report.investigate`)."""
     spikes = detector._spikes
-    if checked.scores is None or spikes.watch is None:
+    if checked.local is None or spikes.watch is None:
         raise RuntimeError("NaNDetector: a spike was scored without a spike watch")
     ranks, resume_rng = Ranks(pl_module.device), rng_state()
-    own = checked.scores[0 if kind == "loss" else 1].item()  # the slow path: syncs freely
+    own_values = checked.local.tolist()  # the slow path: syncs freely
+    own = spikes.watch.scores((own_values[0], own_values[1]))[0 if kind == "loss" else 1]
     rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]  # the rank that spiked highest (lowest on a tie)
     agree = functools.partial(_from_rank, ranks, rank)
     micro = max(pending, key=lambda m: -math.inf if m.loss is None else m.loss.float().mean().item())
@@ -132,8 +133,8 @@ def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: 
     loss = agree(None if micro.loss is None else micro.loss.float().mean().item() * n)
     report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause,
                        detector.action)
-    return dataclasses.replace(report, kind="spike", loss=loss, zscore=checked.loss_z if kind == "loss" else
-                               checked.grad_z, top_modules=found.top_modules, top_parameters=found.top_parameters)
+    return dataclasses.replace(report, kind="spike", loss=loss, zscore=spikes.watch.scores(checked.values)[
+        0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)
 
 
 class NaNDetector(OpkitCallback):
@@ -273,7 +274,7 @@ class NaNDetector(OpkitCallback):
                         else list(pl_module.named_modules()))
         self._skipper.watch_buffers(list(pl_module.buffers()))
         if self.spike_zscore is not None:
-            self._spikes.start(pl_module.device)
+            self._spikes.start()
         self._open_writer(trainer, stage)
 
     @override
@@ -321,9 +322,10 @@ class NaNDetector(OpkitCallback):
         pending, self._pending = self._pending, []
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         checked = check([m.loss for m in pending if m.loss is not None], grads if self.check_backward else [],
-                        pl_module.device, self._spikes.watch)
+                        pl_module.device)
         loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
-        spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(checked.loss_z, checked.grad_z)
+        scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
+        spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(*scores)
         if spiked is not None:
             self._act(trainer, pl_module, _spike_report(trainer, pl_module, self, pending, checked, spiked, optimizer))
             return
@@ -331,7 +333,7 @@ class NaNDetector(OpkitCallback):
             self.consecutive_skips = 0
             self._scale_watch.healthy()
             if self._spikes.watch is not None:
-                self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None)
+                self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, scores)
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and grad_bad and not loss_bad:

@@ -1,4 +1,4 @@
-"""Loss and gradient-norm spikes: robust z-scores against the recent good steps, computed on the device.
+"""Loss and gradient-norm spikes: robust z-scores of each step against the recent good steps.
 
 A step is a spike when its loss (or its global gradient norm) is more than ``zscore`` deviations above the recent
 good steps. In log space, against the last ``window`` good steps:
@@ -13,22 +13,26 @@ good steps. In log space, against the last ``window`` good steps:
 - log space, because a loss falls over orders of magnitude and a spike is a ratio, not a difference; the loss
   through ``sign(x) * log1p(|x|)``, which is the log for large losses and stays defined for small or negative ones
   (so a loss below about 0.1 counts by its absolute rise);
-- a floor of 0.1 in log space under the deviation (about 10%), because a loss that has converged moves by almost
-  nothing, and a few percent up would otherwise score in the thousands;
+- a floor under the deviation, 0.1 in log space for the loss (about 10%) and 0.25 for the gradient norm (about
+  30%), because a loss that has converged moves by almost nothing, and a few percent up would otherwise score in
+  the thousands; a batch's gradient norm varies far more than its loss, healthy or not;
 - a warm-up of ``min(window, 20)`` good steps before any step is judged;
 - only good steps enter the window: a spike, a skipped or non-finite step never does.
 
-Everything lives on the device: the window is a ring buffer written in place, the score is a few small reductions,
-and it travels to the host with the check's flags, in the same one sync.
+The two values are computed on the device and reach the host in the check's one sync, reduced over ranks by the
+same collective as the flags (their maximum: the worst rank's loss, and under DDP the one gradient norm), so every
+rank keeps the same window and takes the same decision; the statistics over a hundred pairs of floats are then
+computed on the host, with no device work at all (measured cheaper on a CPU than a dozen small tensor ops).
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from lightning_opkit.core.patch import Patches
@@ -40,8 +44,9 @@ __all__ = ["DEPARTS", "FLOOR", "SpikeWatch", "departures", "log_loss"]
 #: a module's outputs depart from the good batch's when their RMS differs by this factor, either way
 DEPARTS = 4.0
 
-#: the deviation's floor, in log space
-FLOOR = 0.1
+#: the deviation's floor in log space: the loss's, the gradient norm's (a batch's gradient norm varies by tens of
+#: percent where its loss varies by a few: with 0.1, healthy zoo runs at a high learning rate alarmed on it)
+FLOOR = (0.1, 0.25)
 _WARMUP = 20
 _RECENT = 10
 
@@ -50,6 +55,7 @@ def log_loss(loss: Tensor) -> Tensor:
     """``sign(x) * log1p(|x|)``: the log of a large loss, defined for a small or negative one.
 
     Example:
+        >>> import torch
         >>> log_loss(torch.tensor([0.0, -1.0, 8.7])).tolist()
         [0.0, -0.6931471824645996, 2.2721259593963623]
     """
@@ -57,25 +63,24 @@ def log_loss(loss: Tensor) -> Tensor:
 
 
 class SpikeWatch:
-    """The recent good steps' log-loss and log-gradient-norm, and the scores of a new step against them.
+    """The recent good steps' log-loss and log-gradient-norm, and the scores of a new step against them (host side).
 
     Args:
         window: good steps kept.
-        device: where the window lives (the training device).
 
     Example:
-        >>> watch = SpikeWatch(window=30, device=torch.device("cpu"))
+        >>> watch = SpikeWatch(window=30)
         >>> for i in range(25):
-        ...     watch.record(torch.tensor([log_loss(torch.tensor(1.0 + 0.01 * (i % 3))), 0.0]))
-        >>> z = watch.scores(torch.stack([log_loss(torch.tensor(8.7)), torch.tensor(0.0)]))
-        >>> bool(z[0] > 6), float(z[1])
+        ...     watch.record((math.log1p(1.0 + 0.01 * (i % 3)), 0.0))
+        >>> loss_z, grad_z = watch.scores((math.log1p(8.7), 0.0))
+        >>> loss_z > 6, grad_z
         (True, 0.0)
     """
 
-    def __init__(self, window: int, device: torch.device) -> None:
+    def __init__(self, window: int) -> None:
         self.window = window
         self.warmup = min(window, _WARMUP)
-        self.values = torch.zeros(window, 2, device=device)
+        self.values: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self.count = 0
 
     @property
@@ -83,36 +88,36 @@ class SpikeWatch:
         """Whether enough good steps were seen to judge one."""
         return self.count >= self.warmup
 
-    def scores(self, values: Tensor) -> Tensor:
-        """The z-scores of ``values`` (log-loss, log-gradient-norm), 0 for each while warming up (no sync).
+    def scores(self, values: tuple[float, float]) -> tuple[float, float]:
+        """The z-scores of ``values`` (log-loss, log-gradient-norm); 0 for each while warming up, or not finite."""
+        if not self.ready or len(self.values) < 2:
+            return 0.0, 0.0
+        out = []
+        for i, floor in enumerate(FLOOR):
+            seen = [v[i] for v in self.values]
+            level = statistics.median(seen[-_RECENT:])
+            steps = [b - a for a, b in zip(seen, seen[1:])]
+            middle = statistics.median(steps)
+            mad = statistics.median(abs(d - middle) for d in steps)
+            z = (values[i] - level) / (1.4826 / math.sqrt(2) * mad + floor)
+            out.append(z if math.isfinite(z) else 0.0)
+        return out[0], out[1]
 
-        Args:
-            values: a 2-element tensor on the window's device.
-        """
-        if not self.ready:
-            return torch.zeros_like(values)
-        seen = self.values[: self.count] if self.count <= self.window else \
-            self.values.roll(-(self.count % self.window), dims=0)  # oldest first
-        level = seen[-_RECENT:].median(dim=0).values
-        steps = seen.diff(dim=0)
-        mad = (steps - steps.median(dim=0).values).abs().median(dim=0).values
-        return (values - level) / (1.4826 / math.sqrt(2) * mad + FLOOR)
-
-    def record(self, values: Tensor) -> None:
-        """A good step's values enter the window (in place, no sync)."""
-        self.values[self.count % self.window].copy_(values)
+    def record(self, values: tuple[float, float]) -> None:
+        """A good step's values enter the window."""
+        self.values.append((float(values[0]), float(values[1])))
         self.count += 1
 
     def state_dict(self) -> dict[str, Any]:
         """The window, for a checkpoint (a resumed run goes on judging against it)."""
-        return {"values": self.values.detach().cpu().tolist(), "count": self.count}
+        return {"values": [list(v) for v in self.values], "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Back from :meth:`state_dict`."""
-        values = torch.tensor(state.get("values", []), dtype=self.values.dtype)
-        if values.shape == self.values.shape:
-            self.values.copy_(values)
-            self.count = int(state.get("count", 0))
+        self.values.clear()
+        for v in state.get("values", [])[-self.window:]:
+            self.values.append((float(v[0]), float(v[1])))
+        self.count = int(state.get("count", len(self.values)))
 
 
 def _rms(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any,
@@ -159,6 +164,7 @@ def departures(model: nn.Module, spiked: tuple[Callable[[], Tensor | None], Any]
         ``(path, ratio)`` per module call, in the spiked replay's call order.
 
     Example:
+        >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 1))
         >>> x, rng = torch.ones(2, 4), torch.get_rng_state()

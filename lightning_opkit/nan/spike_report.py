@@ -138,9 +138,8 @@ def scored_again(case: SpikeCase, watch: SpikeWatch, policies: list[Any], culpri
         return 0.0
     norms = [g.float().norm() for g in grads if g is not None]
     norm = torch.stack(norms).square().sum().sqrt() if norms else torch.zeros(())
-    values = torch.stack([log_loss(loss.float().mean() * case.loss_scale), norm.add(1e-30).log()])
-    score = watch.scores(values.to(watch.values.device)).nan_to_num(0.0)
-    return float(score[0 if case.kind == "loss" else 1])
+    values = torch.stack([log_loss(loss.float().mean() * case.loss_scale), norm.add(1e-30).log()]).tolist()
+    return watch.scores((values[0], values[1]))[0 if case.kind == "loss" else 1]
 
 
 def spike_cause(case: SpikeCase, again_in: Callable[[bool], float], lowered: bool, compiled: bool,
@@ -214,7 +213,7 @@ class Spikes:
 
     Example:
         >>> spikes = Spikes(6.0, 100)
-        >>> spikes.start(torch.device("cpu"))
+        >>> spikes.start()
         >>> spikes.which_spiked(loss_z=8.0, grad_z=1.0), spikes.which_spiked(loss_z=1.0, grad_z=2.0)
         ('loss', None)
     """
@@ -227,10 +226,14 @@ class Spikes:
         #: the last good step's last micro-batch (references: its batch, index and RNG state)
         self.last_good: Any = None
         self._state: dict[str, Any] | None = None
+        #: steps judged (past the warm-up), and the highest loss and gradient-norm scores a good step had: how far
+        #: below the threshold a healthy run stays
+        self.judged = 0
+        self.highest = (0.0, 0.0)
 
-    def start(self, device: torch.device) -> None:
-        """At a fit's setup: the window on the training device (a loaded checkpoint's, if any)."""
-        self.watch = SpikeWatch(self.window, device)
+    def start(self) -> None:
+        """At a fit's setup: the window (a loaded checkpoint's, if any)."""
+        self.watch = SpikeWatch(self.window)
         if self._state is not None:
             self.watch.load_state_dict(self._state)
 
@@ -240,9 +243,20 @@ class Spikes:
             return "loss"
         return "gradient" if grad_z > self.zscore else None
 
-    def healthy(self, values: Tensor | None, norms: Tensor | None, last: Any) -> None:
-        """A good step: its values enter the window, its gradient norms the running ones (no sync)."""
-        if self.watch is not None and values is not None:
+    def healthy(self, values: tuple[float, float], norms: Tensor | None, last: Any,
+                scores: tuple[float, float]) -> None:
+        """A good step: its values enter the window, its gradient norms the running ones (no sync).
+
+        Args:
+            values: its log-loss and log-gradient-norm (on the host, from the check's one sync).
+            norms: its per-parameter gradient norms (on the device).
+            last: its last micro-batch.
+            scores: its loss and gradient-norm scores (on the host already, from the check's one sync).
+        """
+        if self.watch is not None and self.watch.ready:
+            self.judged += 1
+            self.highest = (max(self.highest[0], scores[0]), max(self.highest[1], scores[1]))
+        if self.watch is not None:
             self.watch.record(values)
         if norms is not None:
             if self.running is None or self.running.shape != norms.shape:
@@ -254,16 +268,22 @@ class Spikes:
     def summary_line(self, reports: list[Any]) -> str:
         """The run summary's line: how many spikes, and the first few (step, batch, score, cause)."""
         spikes = [r for r in reports if r.kind == "spike"]
-        return (f"  spikes (z > {self.zscore:g} over the last {self.window} good steps): {len(spikes)}" + "".join(
-            f"; step {r.step} batch {r.batch_idx}: z {r.zscore:.1f}, {r.cause.cause if r.cause else '-'}"
-            for r in spikes[:5]))
+        return (f"  spikes (z > {self.zscore:g} over the last {self.window} good steps): {len(spikes)} in"
+                f" {self.judged + len(spikes)} judged steps; highest z of a good step: loss {self.highest[0]:.1f},"
+                f" gradient norm {self.highest[1]:.1f}" + "".join(
+                    f"; step {r.step} batch {r.batch_idx}: z {r.zscore:.1f}, {r.cause.cause if r.cause else '-'}"
+                    for r in spikes[:5]))
 
     def state_dict(self) -> dict[str, Any]:
-        """The window (a resumed run goes on judging against it)."""
-        return self.watch.state_dict() if self.watch is not None else (self._state or {})
+        """The window and the judged steps' figures (a resumed run goes on judging against them)."""
+        state = self.watch.state_dict() if self.watch is not None else dict(self._state or {})
+        return {**state, "judged": self.judged, "highest": list(self.highest)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Back from :meth:`state_dict` (applied at once, or at the next :meth:`start`)."""
+        """Back from :meth:`state_dict` (the window applied at once, or at the next :meth:`start`)."""
         self._state = dict(state)
+        self.judged = int(state.get("judged", 0))
+        highest = state.get("highest") or (0.0, 0.0)
+        self.highest = (float(highest[0]), float(highest[1]))
         if self.watch is not None:
             self.watch.load_state_dict(self._state)
