@@ -52,7 +52,8 @@ def _fit(tmp_path, name, batches, detector, *extra, steps=None, **module_kwargs)
     model = Steady(CASES[name], **module_kwargs)
     losses = Losses()
     trainer = pl.Trainer(accelerator="cpu", max_steps=steps or len(batches), logger=pl.loggers.TensorBoardLogger(
-        str(tmp_path), name="", version=""), callbacks=[detector, losses, *extra], enable_checkpointing=False,
+        str(tmp_path), name="", version=""), callbacks=[detector, losses, *extra], enable_checkpointing=bool(extra) and
+        any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in extra),
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), deterministic=True)
     trainer.fit(model, _loader(batches))
     return model, losses.losses
@@ -155,3 +156,25 @@ def test_under_ddp_a_spike_on_one_rank_is_skipped_by_both_with_the_same_report(t
     assert r1["losses"][FAULT_STEP] > 100 * r1["losses"][FAULT_STEP - 1]  # only rank 1 saw the bad batch
     assert r0["losses"][FAULT_STEP] < 2 * r0["losses"][FAULT_STEP - 1]
     assert r0["weights"] == r1["weights"]  # both left the step out: still in lockstep
+
+
+def test_the_window_is_checkpointed_and_a_resumed_run_goes_on_judging_against_it(tmp_path):
+    batches = _pattern(60)
+    first = NaNDetector(action="skip", spike_zscore=6.0)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    _fit(tmp_path / "a", "torch_encoder", batches, first, checkpoint, steps=30)
+    saved = first.state_dict()["spikes"]
+    assert saved["count"] == 30
+    assert saved["judged"] == 10  # past the 20-step warm-up
+
+    resumed = NaNDetector(action="skip", spike_zscore=6.0)
+    torch.manual_seed(0)
+    model = Steady(CASES["torch_encoder"])
+    trainer = pl.Trainer(accelerator="cpu", max_steps=40, logger=False, callbacks=[resumed],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path / "b"))
+    trainer.fit(model, _loader(batches), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    spikes = resumed.state_dict()["spikes"]
+    assert spikes["count"] == 40
+    assert spikes["judged"] == 20  # judged from its first step on: no second warm-up
+    assert spikes["values"][:30] == saved["values"]
