@@ -80,6 +80,8 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "linear", "addmm", "mm", "bmm", "matmul", "einsum", "baddbmm", "addbmm", "addmv", "mv", "dot",
         "vdot", "inner", "outer", "tensordot", "bilinear", "chain_matmul", "multi_dot", "_addmm_activation",
         "mkldnn_linear", "_mkldnn_linear", "_int_mm", "_scaled_mm", "rmatmul",
+        # Mixture-of-Experts: every expert's GEMM in one call, rows grouped by expert offsets (most of an MoE's FLOPs)
+        "_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "scaled_grouped_mm",
     ),
     "conv": (
         "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
@@ -127,6 +129,8 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "vector_norm", "matrix_norm", "frobenius_norm", "amax", "amin", "aminmax", "max", "min", "prod",
         "logsumexp", "cumsum", "cumprod", "logcumsumexp", "argmax", "argmin", "median", "nanmedian", "mode",
         "all", "any", "count_nonzero", "_foreach_norm",
+        # accumulations into picked rows: an MoE's combine of expert outputs (their sums round like any reduction's)
+        "index_add", "scatter_add", "scatter_reduce", "index_reduce",
     ),
     "pointwise": (
         "add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide", "floor_divide",
@@ -138,6 +142,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "alpha_dropout", "bernoulli", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
         "logical_not", "isfinite", "isnan", "isinf", "nan_to_num", "xlogy", "hypot", "atan2", "lgamma",
         "digamma", "mvlgamma", "heaviside", "copysign", "invert", "and", "or", "xor", "tril", "triu",
+        "greater", "greater_equal", "less", "less_equal", "not_equal", "diff",
     ),
     "embedding": ("embedding", "embedding_dense", "embedding_bag", "_embedding_bag", "embedding_renorm", "one_hot"),
     "rnn": (
@@ -161,6 +166,11 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "arange", "view_as", "movedim",
         "swapaxes", "contiguous_format", "index_select", "gather", "scatter", "index", "index_put", "repeat",
         "repeat_interleave", "roll", "flip", "pad", "constant_pad_nd", "tensor_split", "diagonal", "tile",
+        # Mixture-of-Experts routing: which expert each token goes to, and the tokens sorted and counted by expert.
+        # Selection and movement, no arithmetic a dtype changes (a cast before topk could only change the choice)
+        "topk", "sort", "argsort", "msort", "histc", "bincount", "nonzero", "nonzero_static", "unique", "_unique2",
+        "unique_consecutive", "searchsorted", "bucketize", "masked_select", "masked_scatter", "index_copy",
+        "_index_put_impl", "nonzero_numpy", "value_selecting_reduction_backward", "linspace", "logspace",
     ),
 }
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def check_int(name: str, value: Any, low: int) -> None:
-    """Raise unless ``value`` is an int (not a bool) of at least ``low``.
+def check_int(name: str, value: Any, low: int, optional: bool = False) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``low`` (or, if ``optional``, ``None``).
 
     Args:
         name: the argument's name.
         value: what was passed.
         low: the smallest allowed value.
+        optional: ``None`` is allowed too.
 
     Example:
         >>> check_int("top_k", 0, 1)
@@ -19,8 +20,10 @@ def check_int(name: str, value: Any, low: int) -> None:
         ...
         ValueError: Expected `top_k` to be an int >= 1, but got 0
     """
+    if optional and value is None:
+        return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"Expected `{name}` to be an int >= {low}, but got {value!r}")
+        raise ValueError(f"Expected `{name}` to be an int >= {low}{' or None' if optional else ''}, but got {value!r}")
 
 
 def check_positive(name: str, value: Any, what: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ class Checked:
             scored on, and what enters the window if the step is good.
         local: this rank's own log-loss and log-gradient-norm (on the device; read only after a spike).
         norms: this rank's per-gradient norms (on the device), in ``grads`` order.
+        extra: the ``extra`` flag was set on some rank.
     """
 
     loss_bad: bool
@@ -50,9 +52,11 @@ class Checked:
     values: tuple[float, float] = (0.0, 0.0)
     local: Tensor | None = None
     norms: Tensor | None = None
+    extra: bool = False
 
 
-def check(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> Checked:
+def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
+          extra: Callable[[Tensor | None], Tensor] | None = None) -> Checked:
     """The checked step's one collective and one sync: non-finite flags, and the values spikes are scored on.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
@@ -63,6 +67,8 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> Ch
         losses: the step's (micro-batch) losses, detached.
         grads: the gradients to check; empty to check none.
         device: where to compute the flags when there is nothing to check.
+        extra: one more flag from the per-gradient norms (a 1-element tensor on the device), reduced and read with
+            the others.
 
     Example:
         >>> checked = check([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
@@ -83,10 +89,11 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> Ch
     flags = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
     grad_norm = norms.square().sum().sqrt() if norms is not None else zero
     own = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
-    found = _any_rank(torch.cat([torch.stack(flags).float(), own]))  # a copy: ``own`` stays this rank's
-    loss_bad, grad_bad, loss_value, grad_value = found.tolist()  # the one host sync of a checked step
+    more = extra(norms).to(device) if extra is not None else zero.reshape(1)
+    found = _any_rank(torch.cat([torch.stack(flags).float(), own, more]))  # a copy: ``own`` stays this rank's
+    loss_bad, grad_bad, loss_value, grad_value, flagged = found.tolist()  # the one host sync of a checked step
     grad_bad = grad_bad > 0 and _exactly_non_finite(grads)
-    return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms)
+    return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms, flagged > 0)
 
 
 def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:

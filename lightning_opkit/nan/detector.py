@@ -36,6 +36,7 @@ from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import Checked, bad_gradient_shard, check
+from lightning_opkit.nan.dead import COLUMNS, DeadWatch
 from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.report import (
@@ -92,13 +93,47 @@ def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detect
     report = detector._amended(trainer, pl_module, detector._new_report(
         trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), detector.action in ("skip", "warn"))
     detector.reports.append(report)
-    detector._log(trainer, report)
+    _log(detector, trainer, report)
     if detector.action == "raise":
         raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
     if detector.action == "stop":
         trainer.should_stop = True
     else:
         warnings.warn(format_report(report), stacklevel=3)
+
+
+def _log(detector: NaNDetector, trainer: pl.Trainer, report: NaNReport) -> None:
+    """A report in TensorBoard (and the Trainer's other loggers): the counters, the report, its cause."""
+    writer = detector._writer
+    if writer is None:
+        return
+    step = trainer.global_step
+    detector._log_counters(trainer)
+    rows = [[key, "-" if value is None else value] for key, value in report.as_dict().items()]
+    writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows), step)
+    if report.cause is not None:
+        writer.text("opkit/nan/cause", f"**{report.cause.cause}**: {report.cause.advice}", step)
+    writer.flush()
+
+
+def _name_dead(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Name, once, the parameters and experts whose gradient stopped: a warning, a table, a scalar."""
+    watch = detector._dead
+    new = watch.newly_dead(pl_module) if watch is not None else []
+    if not new or watch is None:
+        return
+    live = [d for d in new if not d.frozen]
+    if live:
+        warnings.warn(f"NaNDetector: no gradient over {watch.after} checked steps in a row for " + "; ".join(
+            f"{d.row()[0]} ({d.module_type} {d.module!r}: {d.what})" for d in live[:8]) + (
+            f" and {len(live) - 8} more" if len(live) > 8 else "") + ": a layer frozen by mistake, a branch never"
+            " taken, an expert no token is routed to, or a gate trained through topk indices", stacklevel=3)
+    if detector._writer is not None:
+        step = trainer.global_step
+        detector._log_counters(trainer)
+        detector._writer.text("opkit/nan/dead_parameters", markdown_table(COLUMNS, [d.row() for d in watch.found]),
+                              step)
+        detector._writer.flush()
 
 
 def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
@@ -161,6 +196,14 @@ class NaNDetector(OpkitCallback):
             PrecisionPolicy, else by autocast off in it or, with 16-bit weights, fp32 copies of them), and say so in
             the report, ``opkit/nan/repairs`` and the run summary. A pin that does not hold (the module faults again
             in fp32) is not retried. ``False``: report and act only.
+        spike_zscore: also treat a step as a fault when its loss, or its global gradient norm, is more than this
+            many deviations above the recent good steps (:mod:`~lightning_opkit.nan.spike`: log space, the median
+            of the last 10 good steps, the MAD of step-to-step differences); reported with ``kind="spike"``, where it
+            starts and why (:mod:`~lightning_opkit.nan.spike_report`). ``None``: spikes are not looked for.
+        spike_window: good steps the spike statistics keep.
+        dead_after: name once, with their module, the stepped parameters (and experts of fused MoE weights) that had
+            no gradient, or an all-zero one, over this many checked steps in a row (:mod:`~lightning_opkit.nan.dead`);
+            ``None``: not watched.
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")], logger=False)
@@ -180,6 +223,7 @@ class NaNDetector(OpkitCallback):
         repair: bool = True,
         spike_zscore: Optional[float] = None,
         spike_window: int = 100,
+        dead_after: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_choice("action", action, _ACTIONS)
@@ -191,6 +235,7 @@ class NaNDetector(OpkitCallback):
         check_globs("modules", modules)
         check_int("spike_window", spike_window, 2)
         check_positive("spike_zscore", spike_zscore, "such as 6.0, or None")
+        check_int("dead_after", dead_after, 1, optional=True)
         self.action = action
         self.check_forward = check_forward
         self.check_backward = check_backward
@@ -212,6 +257,8 @@ class NaNDetector(OpkitCallback):
         self._repairs = Repairs()
         self._scale_watch = ScaleWatch()
         self._spikes = Spikes(self.spike_zscore or math.inf, spike_window)
+        self.dead_after = dead_after
+        self._dead = DeadWatch(dead_after) if dead_after is not None else None
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -255,8 +302,8 @@ class NaNDetector(OpkitCallback):
             first = faults[0]
             line += f"; first at step {first.step}: {first.origin.phase} in {first.origin.module or '<the loss>'!r}"
         lines = [line]
-        if self.spike_zscore is not None:
-            lines.append(self._spikes.summary_line(self.reports))
+        lines += [line for line in (self._spikes.summary_line(self.reports) if self.spike_zscore is not None else "",
+                                    self._dead.summary_line() if self._dead is not None else "") if line]
         if self._repairs.pinned:
             lines.append("  repaired (pinned to fp32 after a precision fault, repair=True): " + ", ".join(
                 f"{path} at step {next((r.step for r in self.reports if r.repair and r.repair.startswith(path)), '-')}"
@@ -275,6 +322,8 @@ class NaNDetector(OpkitCallback):
         self._skipper.watch_buffers(list(pl_module.buffers()))
         if self.spike_zscore is not None:
             self._spikes.start()
+        if self._dead is not None:
+            self._dead.start(pl_module)
         self._open_writer(trainer, stage)
 
     @override
@@ -320,9 +369,13 @@ class NaNDetector(OpkitCallback):
         if self._skipper.state is not BatchState.CHECKING:
             return
         pending, self._pending = self._pending, []
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        dead = None if self._dead is None else functools.partial(self._dead.flag, params, step=trainer.global_step)
         checked = check([m.loss for m in pending if m.loss is not None], grads if self.check_backward else [],
-                        pl_module.device)
+                        pl_module.device, dead)
+        if checked.extra:
+            _name_dead(self, trainer, pl_module)
         loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
         scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
         spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(*scores)
@@ -422,16 +475,16 @@ class NaNDetector(OpkitCallback):
         # that still evaluates.
         self._skipper.restore_buffers()
         if self.action == "skip" and self.consecutive_skips + 1 > self.max_consecutive_skips:
-            self._log(trainer, report)
+            _log(self, trainer, report)
             raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
                                                 f" (max_consecutive_skips={self.max_consecutive_skips}).")
         if self.action == "raise":
-            self._log(trainer, report)
+            _log(self, trainer, report)
             raise NonFiniteError(report)
         self._skipper.state = BatchState.SKIP_PENDING  # the optimizer step itself is left out (see _nan_skip)
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        self._log(trainer, report)
+        _log(self, trainer, report)
         if self.action == "warn":
             warnings.warn(format_report(report) + " The optimizer step was skipped.", stacklevel=2)
         elif self.action == "stop":
@@ -461,16 +514,6 @@ class NaNDetector(OpkitCallback):
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,
                                     "consecutive_skips": self.consecutive_skips,
                                     "repairs": len(self._repairs.pinned),
-                                    "spikes": sum(r.kind == "spike" for r in self.reports)}, trainer.global_step)
-
-    def _log(self, trainer: pl.Trainer, report: NaNReport) -> None:
-        if self._writer is None:
-            return
-        step = trainer.global_step
-        self._log_counters(trainer)
-        rows = [[key, "-" if value is None else value] for key, value in report.as_dict().items()]
-        self._writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows),
-                          step)
-        if report.cause is not None:
-            self._writer.text("opkit/nan/cause", f"**{report.cause.cause}**: {report.cause.advice}", step)
-        self._writer.flush()
+                                    "spikes": sum(r.kind == "spike" for r in self.reports),
+                                    "dead_parameters": len(self._dead.found) if self._dead else None},
+                     trainer.global_step)

@@ -187,6 +187,18 @@ def _bert() -> nn.Module:
                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+def _mixtral(experts: str = "grouped_mm") -> nn.Module:
+    """A tiny Mixtral: 4 experts a layer in fused 3-D weights, a top-2 router; ``experts`` is Hugging Face's
+    implementation of them (``"grouped_mm"``: one ``torch._grouped_mm`` per weight, ``"eager"``: a loop of linears)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(hidden_size=DIM, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, num_local_experts=4,
+                           num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+    config._experts_implementation = experts
+    return MixtralForCausalLM(config)
+
+
 def _hf_lm_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     ids, _ = batch
     return _lm_loss(model(input_ids=ids).logits.float(), ids)
@@ -220,6 +232,13 @@ CASES: dict[str, Case] = {
              norm="bert.encoder.layer.0.output.LayerNorm", override="bert.encoder.layer.1.output.dense"),
     )
 }
+
+
+#: a Mixture-of-Experts model, apart from CASES (the features' zoo-wide tests do not run it yet)
+MOE = Case("hf_mixtral", _mixtral, _tokens, lambda m, b: _hf_lm_loss(m, b),
+           deep="model.layers.1.mlp.experts", param="model.layers.0.mlp.experts.gate_up_proj",
+           blocks="model.layers.*", gemm="model.layers.0.self_attn.q_proj", norm="model.layers.0.input_layernorm",
+           override="model.layers.1.self_attn.o_proj")
 
 
 class _PoisonGrad(torch.autograd.Function):

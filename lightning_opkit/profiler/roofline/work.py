@@ -174,9 +174,36 @@ def _conv_backward(tensors: list[list[int]], concrete: list[Any]) -> tuple[float
     return float(flops), mask[0] * math.prod(x) + mask[1] * math.prod(w)
 
 
+def grouped_mm_work(a: list[int], b: list[int], groups: int = 1) -> tuple[float, float]:
+    """``(FLOPs, output elements)`` of ``torch._grouped_mm(a, b, offs=...)`` from its two operands' shapes.
+
+    The groups (experts) are the 3-D operand's first dimension, or the offsets over the 2-D operands' shared one; the
+    rows a group takes come from the offsets, so over all groups they add up to the grouped dimension (rows past the
+    last offset, padding, are counted too: an upper bound by them).
+
+    Example:
+        >>> grouped_mm_work([96, 32], [4, 32, 64])  # 96 tokens over 4 experts, 32 -> 64 each
+        (393216.0, 6144.0)
+        >>> grouped_mm_work([32, 96], [96, 64], groups=4)  # the weight gradient: one 32 x 64 block per expert
+        (393216.0, 8192.0)
+    """
+    if len(a) == 2 and len(b) == 3:  # (tokens, K) x (G, K, N) -> (tokens, N)
+        return 2.0 * a[0] * a[1] * b[2], float(a[0] * b[2])
+    if len(a) == 3 and len(b) == 2:  # (G, M, K) x (K, tokens) -> (M, tokens)
+        return 2.0 * a[1] * a[2] * b[1], float(a[1] * b[1])
+    if len(a) == 3 and len(b) == 3:  # (G, M, K) x (G, K, N): batched
+        return 2.0 * a[0] * a[1] * a[2] * b[2], float(a[0] * a[1] * b[2])
+    if len(a) == 2 and len(b) == 2:  # (M, tokens) x (tokens, N) -> (G, M, N), G from the offsets
+        return 2.0 * a[0] * a[1] * b[1], float(groups * a[0] * b[1])
+    return 0.0, 0.0
+
+
 def _gemm_like(key: str, cls: str, event: Any, tensors: list[list[int]]) -> tuple[float, float]:
     """``(FLOPs, output elements)`` of a matmul, conv or attention op."""
     flops = float(event.flops or 0)
+    if "grouped_mm" in key and len(tensors) >= 2:  # the profiler counts no FLOPs for it
+        offsets = tensors[2] if len(tensors) > 2 and len(tensors[2]) == 1 else [1]
+        return grouped_mm_work(tensors[0], tensors[1], offsets[0])
     if cls == "attention":
         return flops or _attention_flops(key, cls, tensors), math.prod(tensors[0])
     if cls == "conv" and not flops and "backward" in key and len(tensors) >= 3:
