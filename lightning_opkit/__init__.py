@@ -7,11 +7,14 @@ One folder per callback, each over Trainer-free parts, on a shared core:
   replay, the step skipped with nothing lost.
 - :mod:`lightning_opkit.profiler`: :class:`ProfilerWindows`, short profiler windows: time per op class, the roofline.
 - :mod:`lightning_opkit.compile`: :class:`TorchCompile`, in-place and regional ``torch.compile``, reported.
+- :mod:`lightning_opkit.checkpointing`: :class:`ActivationCheckpointing`, blocks recomputed in backward, full or
+  selective by op class, its price measured.
 - :mod:`lightning_opkit.opclass`: the one operator-class taxonomy every callback reads.
 - :mod:`lightning_opkit.core`: what they share (the logging sink, the run summary, replays, ranks, timing, how a
   callback finds the others); it imports no feature.
 """
 
+from lightning_opkit.checkpointing import ActivationCheckpointing
 from lightning_opkit.compile import TorchCompile
 from lightning_opkit.compile.checkpoints import strip_compile_prefix
 from lightning_opkit.core.replay import replaying
@@ -23,6 +26,7 @@ from lightning_opkit.profiler import ProfilerWindows
 
 __all__ = [
     "OP_CLASSES",
+    "ActivationCheckpointing",
     "NaNDetector",
     "NonFiniteError",
     "PrecisionMeasurements",

@@ -171,6 +171,8 @@ _NAMES: dict[str, tuple[str, ...]] = {
         "topk", "sort", "argsort", "msort", "histc", "bincount", "nonzero", "nonzero_static", "unique", "_unique2",
         "unique_consecutive", "searchsorted", "bucketize", "masked_select", "masked_scatter", "index_copy",
         "_index_put_impl", "nonzero_numpy", "value_selecting_reduction_backward", "linspace", "logspace",
+        # writes of a constant and resizes: the allocations' kin (``zero_`` on gradients, ``fill_`` of a new buffer)
+        "fill", "zero", "resize", "resize_as",
     ),
 }
 

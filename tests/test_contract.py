@@ -6,7 +6,7 @@ from helpers import TinyNet, make_loader, snapshot, trainer
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Callback
 
-from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
+from lightning_opkit import ActivationCheckpointing, NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
 
 CALLBACKS = {
     "PrecisionPolicy": (PrecisionPolicy, dict(rules={"norm": "fp32"}, modules={"head": "fp32"},
@@ -14,6 +14,7 @@ CALLBACKS = {
     "NaNDetector": (NaNDetector, dict(action="skip", every_n_steps=2, modules=["body.*"])),
     "ProfilerWindows": (ProfilerWindows, dict(every_n_steps=3, warmup=0, active=2, keep_traces=1, roofline=True)),
     "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], dynamic=False)),
+    "ActivationCheckpointing": (ActivationCheckpointing, dict(modules=["body"], save=["matmul"], measure_steps=1)),
 }
 
 
@@ -38,7 +39,8 @@ def test_lightning_cli_class_path_round_trip(name):
 @pytest.mark.parametrize("name", list(CALLBACKS))
 def test_cli_rejects_a_bad_value_naming_it(name, capsys):
     bad = {"PrecisionPolicy": ("default", "half"), "NaNDetector": ("action", "ignore"),
-           "ProfilerWindows": ("active", "0"), "TorchCompile": ("backend", "inductr")}[name]
+           "ProfilerWindows": ("active", "0"), "TorchCompile": ("backend", "inductr"),
+           "ActivationCheckpointing": ("measure_steps", "0")}[name]
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--callbacks", type=list[Callback])
     with pytest.raises(Exception, match=bad[0]):
@@ -63,7 +65,7 @@ def test_two_fits_double_teardown_and_an_untouched_model(tmp_path, name):
     assert not torch.autograd.profiler._is_profiler_enabled
 
 
-def test_all_four_together(tmp_path):
+def test_all_together(tmp_path):
     callbacks = [cls(**kwargs) for cls, kwargs in CALLBACKS.values()]
     model = TinyNet(forward_steps=(2,))
     before = snapshot(model)
@@ -73,6 +75,8 @@ def test_all_four_together(tmp_path):
     assert callbacks[1].events[0]["module"] == "body.1"
     assert callbacks[2].windows_done >= 1
     assert callbacks[3].watch.frames >= 1
+    assert callbacks[4].checkpointed == ["body"]
+    assert callbacks[4].price is not None
 
 
 def test_whole_step_arguments_parse_from_the_cli():

@@ -12,7 +12,8 @@ import torch
 import lightning_opkit
 
 PACKAGE = pathlib.Path(lightning_opkit.__file__).parent
-FEATURES = {"nan": "detector.py", "profiler": "windows.py", "compile": "torch_compile.py", "precision": "policy.py"}
+FEATURES = {"nan": "detector.py", "profiler": "windows.py", "compile": "torch_compile.py", "precision": "policy.py",
+            "checkpointing": "activation_checkpointing.py"}
 DATA = pathlib.Path(__file__).parent / "data"
 
 

@@ -18,6 +18,7 @@ import torch
 from lightning_opkit.compile.config import COMPILE_FAILURES
 from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
 from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
+from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.timing import StepClock
 
 __all__ = ["SLOWER", "CompiledForward", "RegionHooks", "SpeedTrial", "limit_message", "stance"]
@@ -67,8 +68,10 @@ class SpeedTrial:
 
     def speedup(self) -> float:
         """Eager time over compiled time (medians)."""
-        compiled = statistics.median(self.clocks["compiled"].seconds(wait=True))
-        return statistics.median(self.clocks["eager"].seconds(wait=True)) / max(compiled, 1e-9)
+        compiled, eager = self.clocks["compiled"].seconds(wait=True), self.clocks["eager"].seconds(wait=True)
+        if not (compiled and eager):
+            return 1.0  # not measured: nothing to decide on
+        return statistics.median(eager) / max(statistics.median(compiled), 1e-9)
 
 
 def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list[str]] | None:
@@ -165,7 +168,8 @@ class CompiledForward:
 
     def _trial_slot(self) -> str | None:
         """This call's part in the speed trial: not a replay's or a census step's (a forced eager stance)."""
-        if self.trial is None or self.trial.done or stance() != "default" or not torch.is_grad_enabled():
+        if self.trial is None or self.trial.done or stance() != "default" or not torch.is_grad_enabled() or \
+                RECOMPUTING.depth:  # an activation checkpoint's recompute in backward is not a call of the step
             return None
         return self.trial.next()
 

@@ -29,17 +29,11 @@ from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_cod
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.facts import facts_of
-from lightning_opkit.core.select import find_blocks, resolve_modules
+from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import StepClock
 
 __all__ = ["TorchCompile"]
-
-
-def _outermost(named: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
-    # ``blocks.*`` also matches ``blocks.0.attn``; compiling both would nest compiled regions.
-    names = [n for n, _ in named]
-    return [(n, m) for n, m in named if not any(n != p and (p == "" or n.startswith(p + ".")) for p in names)]
 
 
 class TorchCompile(OpkitCallback):
@@ -190,7 +184,7 @@ class TorchCompile(OpkitCallback):
                     " use modules=None for the whole forward.")
             rank_zero_info(f"TorchCompile(modules='auto') compiles {len(names)} blocks: {', '.join(names)}")
             return [(name, pl_module.get_submodule(name)) for name in names]
-        return _outermost(resolve_modules(pl_module, self.modules, owner="TorchCompile"))
+        return outermost(resolve_modules(pl_module, self.modules, owner="TorchCompile"))
 
     def _check_recompile_limit(self, region: Region) -> None:
         if region.code in self._limit_hit:

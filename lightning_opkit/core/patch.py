@@ -8,6 +8,10 @@ from torch.utils.hooks import RemovableHandle
 
 _MISSING = object()
 
+#: every live patch of every :class:`Patches`: ``[obj, name, old, new]``, so one undone out of order hands its
+#: ``old`` to the patch laid over it (two callbacks wrapping one module's ``forward`` tear down in any order)
+_LIVE: list[list[Any]] = []
+
 
 class Patches:
     """Set attributes on objects and hold hook handles; :meth:`restore` undoes everything, any number of times.
@@ -23,10 +27,19 @@ class Patches:
         >>> patches.set(a, "f", lambda: 2)
         >>> a.f(), patches.restore(), a.f(), "f" in vars(a)
         (2, None, 1, False)
+
+    Two owners patching one attribute may restore in either order:
+
+        >>> first, second = Patches(), Patches()
+        >>> first.set(a, "f", lambda: 2); second.set(a, "f", lambda: 3)
+        >>> first.restore(); a.f()  # the second's patch stays until it is undone, then the class's comes back
+        3
+        >>> second.restore(); a.f(), "f" in vars(a)
+        (1, False)
     """
 
     def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved: list[list[Any]] = []
         self._handles: list[RemovableHandle] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
@@ -37,7 +50,9 @@ class Patches:
             name: the attribute.
             value: the new value.
         """
-        self._saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        record = [obj, name, vars(obj).get(name, _MISSING), value]
+        self._saved.append(record)
+        _LIVE.append(record)
         setattr(obj, name, value)
 
     def hold(self, handle: RemovableHandle) -> RemovableHandle:
@@ -54,11 +69,23 @@ class Patches:
         while self._handles:
             self._handles.pop().remove()
         while self._saved:
-            obj, name, old = self._saved.pop()
-            if old is _MISSING:
-                vars(obj).pop(name, None)
-            else:
-                vars(obj)[name] = old
+            record = self._saved.pop()
+            _undo(record)
 
     def __bool__(self) -> bool:
         return bool(self._saved or self._handles)
+
+
+def _undo(record: list[Any]) -> None:
+    """Put back what ``record`` replaced; if another patch was laid over it since, that one will put it back."""
+    obj, name, old, new = record
+    del _LIVE[next(i for i, r in enumerate(_LIVE) if r is record)]
+    if vars(obj).get(name, _MISSING) is not new:
+        above = next((r for r in _LIVE if r[0] is obj and r[1] == name and r[2] is new), None)
+        if above is not None:
+            above[2] = old  # the patch above now restores to what this one found
+            return
+    if old is _MISSING:
+        vars(obj).pop(name, None)
+    else:
+        vars(obj)[name] = old

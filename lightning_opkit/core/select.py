@@ -140,6 +140,18 @@ def match_rule(name: str, rules: dict[str, str]) -> str | None:
     return None if best is None else best[1]
 
 
+def outermost(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The pairs not inside another one: ``blocks.*`` also matches ``blocks.0.attn``, and both would nest.
+
+    Example:
+        >>> layer = nn.Linear(1, 1)
+        >>> [name for name, _ in outermost([("blocks.0", layer), ("blocks.0.attn", layer), ("head", layer)])]
+        ['blocks.0', 'head']
+    """
+    names = [n for n, _ in named]
+    return [(n, m) for n, m in named if not any(n != p and (p == "" or n.startswith(p + ".")) for p in names)]
+
+
 def find_blocks(model: nn.Module) -> list[str]:
     """Paths of the repeated blocks of ``model``, the outermost such sets.
 

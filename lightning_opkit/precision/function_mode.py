@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.opclass import function_info
@@ -153,7 +154,7 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **kwargs)  # the user turned autocast off here: their code runs as written
         dtype = stack[-1] if stack else state.class_dtypes[cls]
         given_args, given_kwargs = args, kwargs  # what the caller passed: the census recomputes from it
-        census = state.census
+        census = state.census if not RECOMPUTING.depth else None  # an activation checkpoint's recompute: counted once
         rng = rng_state() if not compiling and census is not None else None  # census steps only
         if dtype is None or inplace or "out" in kwargs:
             out = func(*args, **kwargs)

@@ -1,0 +1,230 @@
+"""ActivationCheckpointing: checkpoint blocks in place, full or selective by operator class, with its price measured.
+
+Logged (rank zero): ``opkit/checkpointing/{saved_mb_without,saved_mb_with,saved_cut,step_ms_without,step_ms_with,
+time_ratio}`` once measured, and ``opkit/checkpointing/report`` (text).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_opkit.checkpointing.region import CheckpointedForward
+from lightning_opkit.checkpointing.saved import SavedBytes
+from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.checks import check_bools, check_choice, check_int
+from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
+from lightning_opkit.core.timing import StepClock
+from lightning_opkit.opclass import OP_CLASSES
+
+__all__ = ["ActivationCheckpointing", "Price"]
+
+
+@dataclass
+class Price:
+    """What checkpointing saves and costs, measured on steps with and without it (medians).
+
+    Args:
+        saved_without: activation bytes autograd saves for backward in a step without checkpointing.
+        saved_with: the same with it.
+        step_s_without: a step's time without it.
+        step_s_with: with it (the recompute in backward included).
+    """
+
+    saved_without: int
+    saved_with: int
+    step_s_without: float
+    step_s_with: float
+
+    @property
+    def cut(self) -> float:
+        """The fraction of the saved activation bytes checkpointing removes."""
+        return 1 - self.saved_with / self.saved_without if self.saved_without else 0.0
+
+    @property
+    def time_ratio(self) -> float:
+        """A step's time with checkpointing over without."""
+        return self.step_s_with / self.step_s_without if self.step_s_without else float("nan")
+
+
+class ActivationCheckpointing(OpkitCallback):
+    """Recompute blocks' activations in backward instead of keeping them: in place, full or selective, priced.
+
+    Each selected block's ``forward`` is replaced by one that runs it under ``torch.utils.checkpoint`` (non-reentrant):
+    no wrapper modules, ``state_dict`` keys unchanged, undone at teardown. With ``save``, it is selective: outputs of
+    ops of those operator classes are kept (``["matmul", "attention"]`` keeps the GEMMs' and attention's, as
+    torchtitan does) and only the rest is recomputed. The recompute runs in the forward's dtypes (autocast and an
+    attached PrecisionPolicy's), with the same RNG state, so losses and gradients are those of the run without it.
+
+    With ``measure``, a few steps early in the fit alternate without and with checkpointing (every rank alike) and
+    the activation bytes autograd saves and the step times are compared: that is the price. The steps without it
+    need the memory checkpointing frees: leave ``measure=False`` where they would not fit.
+
+    Args:
+        modules: ``"auto"``: the model's repeated blocks (children of a ``ModuleList``/``Sequential`` sharing a class);
+            else globs over ``named_modules()`` names (the outermost matches are checkpointed).
+        save: operator classes whose outputs are kept (selective checkpointing); ``None``: keep only the blocks'
+            inputs.
+        measure: measure the bytes saved and the time it costs, once.
+        measure_steps: steps with and as many without checkpointing, alternating, after one warm-up step.
+
+    Example:
+        >>> trainer = pl.Trainer(callbacks=[ActivationCheckpointing(save=["matmul", "attention"])], logger=False)
+        >>> [type(c).__name__ for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+        ['ActivationCheckpointing']
+    """
+
+    def __init__(
+        self,
+        modules: Union[Literal["auto"], list[str]] = "auto",
+        save: Optional[list[str]] = None,
+        measure: bool = True,
+        measure_steps: int = 3,
+    ) -> None:
+        super().__init__()
+        if modules != "auto" and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+            raise ValueError(f"`modules` must be 'auto' or a list of globs, got {modules!r}")
+        if save is not None and not isinstance(save, list):
+            raise ValueError(f"`save` must be a list of operator classes or None, got {save!r}")
+        for name in save or []:
+            check_choice("save", name, OP_CLASSES, "an operator class")
+        check_bools(measure=measure)
+        check_int("measure_steps", measure_steps, 1)
+        self.modules = modules if modules == "auto" else list(modules)
+        self.save = list(save) if save is not None else None
+        self.measure = measure
+        self.measure_steps = measure_steps
+        #: checkpointed block paths
+        self.checkpointed: list[str] = []
+        #: the measured price, once measured
+        self.price: Price | None = None
+        self._regions: list[CheckpointedForward] = []
+        self._clock = StepClock()
+        self._saved: SavedBytes | None = None
+        self._counting: Any = None
+        self._samples: dict[bool, list[tuple[int, float]]] = {True: [], False: []}
+        self._timing: bool | None = None
+
+    def layout(self) -> dict[str, dict[str, list[Any]]]:
+        """Saved activation bytes and step time, without and with checkpointing."""
+        return {"opkit checkpointing": {
+            "saved activations (MB)": ["Multiline", [r"opkit/checkpointing/saved_mb_without",
+                                                     r"opkit/checkpointing/saved_mb_with"]],
+            "step time (ms)": ["Multiline", [r"opkit/checkpointing/step_ms_without",
+                                             r"opkit/checkpointing/step_ms_with"]],
+        }}
+
+    def summary_lines(self) -> list[str]:
+        """This callback's lines of the run summary."""
+        what = f"selective, keeping {', '.join(self.save)}" if self.save else "full"
+        line = f"activation checkpointing ({what}): {len(self.checkpointed)} block(s)"
+        if self.price is not None:
+            p = self.price
+            line += (f"; saved activations {p.saved_without / 2**20:.1f} -> {p.saved_with / 2**20:.1f} MB"
+                     f" ({p.cut:.0%} less), step time x{p.time_ratio:.2f}")
+        return [line]
+
+    # lifecycle
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._patches:
+            return
+        targets = self._targets(pl_module)
+        self._regions = []
+        for _, module in targets:
+            region = CheckpointedForward(module.forward, tuple(self.save or ()))
+            self._patches.set(module, "forward", region)
+            self._regions.append(region)
+        self.checkpointed = [name for name, _ in targets]
+        self._saved = SavedBytes(pl_module)
+        writer = self._open_writer(trainer, stage)
+        writer.table("opkit/checkpointing/config", ["setting", "value"],
+                     [["checkpointed", ", ".join(self.checkpointed)], ["save", ", ".join(self.save or []) or "-"]],
+                     trainer.global_step)
+
+    def _targets(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module]]:
+        if self.modules == "auto":
+            names = find_blocks(pl_module)
+            if not names:
+                raise ValueError(
+                    f"ActivationCheckpointing(modules='auto') found no repeated blocks in {type(pl_module).__name__}"
+                    " (children of a ModuleList/Sequential that share one class): name the modules as globs.")
+            rank_zero_info(f"ActivationCheckpointing(modules='auto') checkpoints {len(names)} blocks")
+            return [(name, pl_module.get_submodule(name)) for name in names]
+        return outermost(resolve_modules(pl_module, self.modules, owner="ActivationCheckpointing"))
+
+    @override
+    def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
+        self._stop_counting()
+        self._regions = []
+
+    # the measurement: warm-up, then without, with, without, with, ...
+
+    def _phase(self, step: int) -> bool | None:
+        """Whether step ``step`` is a measured one with checkpointing (``True``), without (``False``), or neither."""
+        if not self.measure or self.price is not None or not 1 <= step <= 2 * self.measure_steps:
+            return None
+        return step % 2 == 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._close_sample(trainer, pl_module)
+        phase = self._phase(trainer.global_step)
+        assert self._saved is not None
+        for region in self._regions:
+            region.enabled = phase is not False
+            region.note_kept = self._saved.note if phase else None
+        if phase is None:
+            return
+        self._timing = phase
+        self._clock.start(pl_module.device)
+        self._saved.activations = 0
+        self._counting = self._saved.counting()
+        self._counting.__enter__()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._stop_counting()  # the forward is done: what autograd saved is what the step holds until backward
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_sample(trainer, pl_module)
+
+    def _stop_counting(self) -> None:
+        if self._counting is not None:
+            counting, self._counting = self._counting, None
+            counting.__exit__(None, None, None)
+
+    def _close_sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the next batch's start: the measured step's time (batch start to batch start) and bytes."""
+        if self._timing is None:
+            return
+        self._stop_counting()
+        self._clock.stop(keep=True)
+        phase, self._timing = self._timing, None
+        assert self._saved is not None
+        self._samples[phase].append((self._saved.activations, self._clock.seconds(wait=True)[-1]))
+        if len(self._samples[True]) == len(self._samples[False]) == self.measure_steps:
+            self._priced(trainer)
+
+    def _priced(self, trainer: pl.Trainer) -> None:
+        without, with_ = self._samples[False], self._samples[True]
+        self.price = Price(int(statistics.median(b for b, _ in without)), int(statistics.median(b for b, _ in with_)),
+                           statistics.median(t for _, t in without), statistics.median(t for _, t in with_))
+        p = self.price
+        self._scalars("opkit/checkpointing", {
+            "saved_mb_without": p.saved_without / 2**20, "saved_mb_with": p.saved_with / 2**20, "saved_cut": p.cut,
+            "step_ms_without": 1e3 * p.step_s_without, "step_ms_with": 1e3 * p.step_s_with,
+            "time_ratio": p.time_ratio}, trainer.global_step)
+        if self._writer is not None:
+            self._writer.text("opkit/checkpointing/report", self.summary_lines()[0], trainer.global_step)
+            self._writer.flush()

@@ -1,0 +1,124 @@
+"""One checkpointed block, Trainer-free: the forward that replaces the module's, and the op-class policy it saves by.
+
+The block's forward runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: its activations are not
+kept for backward but computed again there. With ``save`` classes, the checkpoint is selective: outputs of ops of
+those classes (torchtitan saves GEMMs and attention) are kept, and only the rest is recomputed.
+
+The recompute runs in backward, outside ``training_step``, where a precision policy's function mode is no longer
+active: the torch function modes active at the forward are entered again around the recompute, so it computes in the
+same dtypes (checkpoint itself restores autocast and the RNG), inside
+:data:`~lightning_opkit.core.recompute.RECOMPUTING` so a census counts its ops once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_opkit.core.recompute import RECOMPUTING
+from lightning_opkit.opclass import classify_name
+
+__all__ = ["CheckpointedForward", "save_policy"]
+
+
+@functools.cache
+def _class_of(op: Any) -> str:
+    return classify_name(op.name()) if hasattr(op, "name") else "other"
+
+
+def save_policy(save: tuple[str, ...]) -> Callable[..., CheckpointPolicy]:
+    """The selective checkpoint policy: keep the outputs of ops in ``save`` classes, recompute the rest.
+
+    Args:
+        save: operator classes whose outputs are kept.
+
+    Example:
+        >>> policy = save_policy(("matmul", "attention"))
+        >>> policy(None, torch.ops.aten.mm.default).name, policy(None, torch.ops.aten.gelu.default).name
+        ('MUST_SAVE', 'PREFER_RECOMPUTE')
+    """
+    kept = frozenset(save)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if _class_of(op) in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+class _Kept(TorchDispatchMode):
+    """Hands the outputs a selective checkpoint keeps to ``note``: they are held in its cache, not saved by autograd."""
+
+    def __init__(self, kept: frozenset[str], note: Callable[[Any], None]) -> None:
+        super().__init__()
+        self.kept, self.note = kept, note
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _class_of(func) in self.kept:
+            self.note(out)
+        return out
+
+
+@contextlib.contextmanager
+def _again(modes: list[Any], inner: Any) -> Iterator[None]:
+    """Around a recompute: the forward's function modes again, the selective context, the recompute flag."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        stack.enter_context(RECOMPUTING.scope())
+        stack.enter_context(inner)
+        yield
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+class CheckpointedForward:
+    """What replaces a checkpointed module's ``forward``: the original, its activations recomputed in backward.
+
+    Args:
+        original: the module's own ``forward``.
+        save: operator classes whose outputs are kept (selective); empty: keep only the block's inputs.
+
+    Example:
+        >>> layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+        >>> layer.forward = CheckpointedForward(layer.forward, save=())
+        >>> layer(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        >>> del layer.forward  # back to the class's
+    """
+
+    def __init__(self, original: Callable[..., Any], save: tuple[str, ...]) -> None:
+        self.original = original
+        self.save = save
+        self.policy = save_policy(save) if save else None
+        #: off: the forward runs as written (a measurement step without checkpointing, an eval step)
+        self.enabled = True
+        #: while measuring: told of every output a selective checkpoint keeps (what it holds besides the inputs)
+        self.note_kept: Callable[[Any], None] | None = None
+        self.calls = 0
+
+    def _contexts(self) -> tuple[Any, Any]:
+        modes = list(_get_current_function_mode_stack())
+        if self.policy is not None:
+            forward, recompute = create_selective_checkpoint_contexts(self.policy)
+            if self.note_kept is not None:
+                forward = _both(forward, _Kept(frozenset(self.save), self.note_kept))
+        else:
+            forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        return forward, _again(modes, recompute)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.enabled and torch.is_grad_enabled()) or RECOMPUTING:
+            return self.original(*args, **kwargs)
+        self.calls += 1
+        return checkpoint(self.original, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)

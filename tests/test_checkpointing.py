@@ -1,0 +1,180 @@
+"""ActivationCheckpointing on zoo models: bytes cut, numerics kept, selective keeps more, composes, undone."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import read_events, snapshot
+from torch.utils._python_dispatch import TorchDispatchMode
+from zoo import CASES, build
+
+from lightning_opkit import ActivationCheckpointing, PrecisionPolicy, TorchCompile
+from lightning_opkit.checkpointing.saved import SavedBytes
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(tmp_path, name, callbacks, steps=6, **trainer_kwargs):
+    model = build(name)
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=pl.loggers.TensorBoardLogger(
+        str(tmp_path), name="", version=""), callbacks=[*callbacks, losses], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), **trainer_kwargs)
+    trainer.fit(model, model.loader(n=48))
+    return model, losses.losses
+
+
+@pytest.mark.parametrize("name", ["torch_encoder", "hf_gpt2", "hf_llama"])
+def test_full_checkpointing_cuts_saved_bytes_and_keeps_losses_and_weights(tmp_path, name):
+    plain, plain_losses = _fit(tmp_path / "plain", name, [])
+    checkpointing = ActivationCheckpointing(measure_steps=2)
+    model, losses = _fit(tmp_path / "ac", name, [checkpointing])
+    assert checkpointing.checkpointed == [p for p in checkpointing.checkpointed if ".layers." in p or ".h." in p]
+    assert len(checkpointing.checkpointed) == 2
+    assert losses == plain_losses  # recomputed in backward, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values(),
+                                                  strict=True))
+    price = checkpointing.price
+    assert price is not None
+    assert price.cut >= 0.4
+    assert price.saved_with < price.saved_without
+    assert price.step_s_with > 0
+    scalars, texts = read_events(str(tmp_path / "ac"))
+    assert scalars["opkit/checkpointing/saved_mb_without"][-1][1] == pytest.approx(price.saved_without / 2**20)
+    assert scalars["opkit/checkpointing/saved_cut"][-1][1] == pytest.approx(price.cut)
+    assert "less), step time x" in texts["opkit/checkpointing/report"][-1][1]
+    assert "forward" not in vars(model.get_submodule(checkpointing.checkpointed[0]))  # undone at teardown
+
+
+def test_the_measured_bytes_agree_with_an_independent_count_of_what_autograd_saves():
+    model = build("torch_encoder")
+    batch = next(iter(model.loader()))
+    counts = {}
+    for label, wrap in (("without", False), ("with", True)):
+        if wrap:
+            for name in ("model.encoder.layers.0", "model.encoder.layers.1"):
+                module = model.get_submodule(name)
+                from lightning_opkit.checkpointing.region import CheckpointedForward
+
+                module.forward = CheckpointedForward(module.forward, ())
+        saved = set()
+
+        def pack(t, saved=saved):
+            saved.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            return t
+
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(batch).backward()
+        counts[label] = sum(n for ptr, n in saved if ptr not in params)
+        counter = SavedBytes(model)
+        with counter.counting():
+            model(batch).backward()
+        assert counter.activations == counts[label]
+    assert counts["with"] < 0.6 * counts["without"]
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.mm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name() in ("aten::mm", "aten::addmm", "aten::bmm"):
+            self.mm += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_keeps_the_gemms_and_recomputes_less(tmp_path):
+    full, selective = ActivationCheckpointing(measure_steps=2), ActivationCheckpointing(
+        save=["matmul", "attention"], measure_steps=2)
+    _, full_losses = _fit(tmp_path / "full", "hf_gpt2", [full])
+    _, selective_losses = _fit(tmp_path / "sel", "hf_gpt2", [selective])
+    assert full_losses == selective_losses
+    assert full.price.saved_with < selective.price.saved_with < selective.price.saved_without  # keeps more
+
+    # recomputes less: GEMMs run in backward, counted by torch's dispatcher
+    def gemms_in_backward(save):
+        model = build("hf_gpt2")
+        batch = next(iter(model.loader()))
+        from lightning_opkit.checkpointing.region import CheckpointedForward
+
+        for i in (0, 1):
+            block = model.model.transformer.h[i]
+            block.forward = CheckpointedForward(block.forward, save)
+        loss = model(batch)
+        with CountOps() as ops:
+            loss.backward()
+        return ops.mm
+
+    assert gemms_in_backward(("matmul", "attention")) < gemms_in_backward(())
+
+
+def test_recompute_runs_in_the_policys_dtypes_and_the_census_counts_once(tmp_path):
+    def run(callbacks):
+        policy = PrecisionPolicy(rules={"matmul": "bf16", "norm": "fp32"}, census_every_n_steps=1)
+        model, losses = _fit(tmp_path / str(len(callbacks)), "hf_gpt2", [policy, *callbacks], steps=3)
+        return policy, model, losses
+
+    plain_policy, plain, plain_losses = run([])
+    policy, model, losses = run([ActivationCheckpointing(measure=False)])
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values(),
+                                                  strict=True))
+    calls = {k: v["calls"] for k, v in policy.census.items()}
+    assert calls
+    assert calls == {k: v["calls"] for k, v in plain_policy.census.items()}  # the recompute is not counted again
+
+
+def test_composes_with_regional_torch_compile(tmp_path):
+    compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules="auto", backend="eager")])[1]
+    checkpointing = ActivationCheckpointing(measure=False)
+    _, losses = _fit(tmp_path / "ca", "torch_encoder", [TorchCompile(modules="auto", backend="eager"),
+                                                        checkpointing])
+    assert losses == pytest.approx(compiled_losses, rel=1e-5)
+    assert checkpointing.checkpointed == ["model.encoder.layers.0", "model.encoder.layers.1"]
+
+
+def test_teardown_after_an_exception_leaves_the_model_as_it_was(tmp_path):
+    model = build("torch_encoder")
+    before = snapshot(model)
+
+    class Boom(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                raise RuntimeError("boom")
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=5, logger=False, callbacks=[ActivationCheckpointing(), Boom()],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model, model.loader(n=48))
+    assert snapshot(model) == before
+    assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(save=["matmull"]), "matmull"), (dict(save="matmul"), "save"),
+                                               (dict(modules="all"), "modules"), (dict(measure_steps=0), "measure")])
+def test_bad_configuration_is_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationCheckpointing(**kwargs)
+
+
+def test_a_model_without_blocks_is_told_to_name_them(tmp_path):
+    from helpers import TinyNet, make_loader
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, callbacks=[ActivationCheckpointing()],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="found no repeated blocks"):
+        trainer.fit(TinyNet(), make_loader())
+
+
+assert CASES  # the zoo is importable here
