@@ -53,6 +53,17 @@ def test_full_checkpointing_cuts_saved_bytes_and_keeps_losses_and_weights(tmp_pa
     assert "forward" not in vars(model.get_submodule(checkpointing.checkpointed[0]))  # undone at teardown
 
 
+def test_batchnorm_statistics_are_updated_once_per_step_not_again_by_the_recompute(tmp_path):
+    plain, plain_losses = _fit(tmp_path / "plain", "bn_cnn", [])
+    checkpointing = ActivationCheckpointing(measure=False)
+    model, losses = _fit(tmp_path / "ac", "bn_cnn", [checkpointing])
+    assert checkpointing.checkpointed == ["model.layers.0", "model.layers.1"]
+    assert losses == plain_losses
+    state, plain_state = model.state_dict(), plain.state_dict()
+    assert [k for k in state if "running_mean" in k]
+    assert all(torch.equal(state[k], plain_state[k]) for k in state)  # running statistics and counts included
+
+
 def test_the_measured_bytes_agree_with_an_independent_count_of_what_autograd_saves():
     model = build("torch_encoder")
     batch = next(iter(model.loader()))
@@ -63,7 +74,7 @@ def test_the_measured_bytes_agree_with_an_independent_count_of_what_autograd_sav
                 module = model.get_submodule(name)
                 from lightning_opkit.checkpointing.region import CheckpointedForward
 
-                module.forward = CheckpointedForward(module.forward, ())
+                module.forward = CheckpointedForward(module, module.forward, ())
         saved = set()
 
         def pack(t, saved=saved):
@@ -108,7 +119,7 @@ def test_selective_checkpointing_keeps_the_gemms_and_recomputes_less(tmp_path):
 
         for i in (0, 1):
             block = model.model.transformer.h[i]
-            block.forward = CheckpointedForward(block.forward, save)
+            block.forward = CheckpointedForward(block, block.forward, save)
         loss = model(batch)
         with CountOps() as ops:
             loss.backward()

@@ -140,7 +140,7 @@ class ActivationCheckpointing(OpkitCallback):
         targets = self._targets(pl_module)
         self._regions = []
         for _, module in targets:
-            region = CheckpointedForward(module.forward, tuple(self.save or ()))
+            region = CheckpointedForward(module, module.forward, tuple(self.save or ()))
             self._patches.set(module, "forward", region)
             self._regions.append(region)
         self.checkpointed = [name for name, _ in targets]

@@ -67,14 +67,24 @@ class _Kept(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _again(modes: list[Any], inner: Any) -> Iterator[None]:
-    """Around a recompute: the forward's function modes again, the selective context, the recompute flag."""
-    with contextlib.ExitStack() as stack:
-        for mode in modes:
-            stack.enter_context(mode)
-        stack.enter_context(RECOMPUTING.scope())
-        stack.enter_context(inner)
-        yield
+def _again(modes: list[Any], inner: Any, buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Around a recompute: the forward's function modes again, the selective context, the recompute flag.
+
+    The block's buffers are put back after it: a BatchNorm's forward run again in training mode would update its
+    running statistics a second time.
+    """
+    kept = [b.clone() for b in buffers]
+    try:
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            stack.enter_context(RECOMPUTING.scope())
+            stack.enter_context(inner)
+            yield
+    finally:  # also when checkpoint stops the recompute early, by an exception, once it has what backward needs
+        with torch.no_grad():
+            for buffer, value in zip(buffers, kept, strict=True):
+                buffer.copy_(value)
 
 
 @contextlib.contextmanager
@@ -87,18 +97,20 @@ class CheckpointedForward:
     """What replaces a checkpointed module's ``forward``: the original, its activations recomputed in backward.
 
     Args:
-        original: the module's own ``forward``.
+        module: the checkpointed module (its buffers are put back after a recompute).
+        original: its current ``forward``.
         save: operator classes whose outputs are kept (selective); empty: keep only the block's inputs.
 
     Example:
         >>> layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
-        >>> layer.forward = CheckpointedForward(layer.forward, save=())
+        >>> layer.forward = CheckpointedForward(layer, layer.forward, save=())
         >>> layer(torch.ones(2, 4, requires_grad=True)).sum().backward()
         >>> del layer.forward  # back to the class's
     """
 
-    def __init__(self, original: Callable[..., Any], save: tuple[str, ...]) -> None:
+    def __init__(self, module: torch.nn.Module, original: Callable[..., Any], save: tuple[str, ...]) -> None:
         self.original = original
+        self.buffers = [b for b in module.buffers() if not b.is_sparse]
         self.save = save
         self.policy = save_policy(save) if save else None
         #: off: the forward runs as written (a measurement step without checkpointing, an eval step)
@@ -115,7 +127,7 @@ class CheckpointedForward:
                 forward = _both(forward, _Kept(frozenset(self.save), self.note_kept))
         else:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-        return forward, _again(modes, recompute)
+        return forward, _again(modes, recompute, self.buffers)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.enabled and torch.is_grad_enabled()) or RECOMPUTING:
