@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lightning_opkit.checkpointing.region import CheckpointedForward  # noqa: E402
-from lightning_opkit.checkpointing.saved import SavedBytes  # noqa: E402
+from lightning_opkit.core.saved import SavedBytes  # noqa: E402
 
 
 def gpt2():

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zoo import CASES, build
 
 from lightning_opkit import ActivationCheckpointing, PrecisionPolicy, TorchCompile
-from lightning_opkit.checkpointing.saved import SavedBytes
+from lightning_opkit.core.saved import SavedBytes
 
 
 class Losses(pl.Callback):

@@ -17,9 +17,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_opkit.checkpointing.region import CheckpointedForward
-from lightning_opkit.checkpointing.saved import SavedBytes
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_int
+from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.timing import StepClock
 from lightning_opkit.opclass import OP_CLASSES

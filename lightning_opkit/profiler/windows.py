@@ -5,7 +5,9 @@ Logged (rank zero), per window at its last step: ``opkit/profiler/windows``, ``s
 (``profile_memory``), ``gflops_per_s`` (``with_flops``), ``export_s`` and ``export_errors`` (scalars), and the
 ``top_ops`` and ``op_classes`` tables (text). With ``roofline``: ``<class>/tflops``, ``gbps``, ``pct_peak``,
 ``pct_bandwidth``, ``intensity``, ``mfu`` (and ``mfu_fp32``, ``mfu_bf16``, ``model_tflops``), the ``roofline`` table
-(text) and the ``roofline_plot`` image. Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``.
+(text) and the ``roofline_plot`` image. With ``memory``: ``opkit/memory/{parameters_mb,gradients_mb,optimizer_mb,
+activations_mb,peak_mb}``, the ``opkit/memory/modules`` and ``opkit/memory/op_classes`` tables and the
+``opkit/memory/blocks`` picture. Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.logging import run_log_dir
 from lightning_opkit.core.select import find_blocks
 from lightning_opkit.profiler.log import log_window
+from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
+from lightning_opkit.profiler.memory_log import log_memory, memory_summary
 from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
@@ -69,6 +73,10 @@ class ProfilerWindows(OpkitCallback):
         roofline: per window, each op class's achieved TFLOP/s and GB/s against this device's peaks (measured once
             per process: dense GEMMs per dtype that ran, a large copy, an all_reduce under DDP), what bounds it and
             the lever, the step's MFU; a table, a picture and scalars. Turns on ``record_shapes`` and ``with_flops``.
+        memory: per window, what its first step holds (:mod:`~lightning_opkit.profiler.memory`): parameters,
+            gradients, optimizer state and activations saved for backward (by module and by the op class that
+            produced them), the peak, and which blocks to checkpoint at what cost; tables, a picture, scalars and
+            :attr:`memory_report`. Turns on ``profile_memory`` (the peak on a CPU).
 
     Example:
         >>> windows = ProfilerWindows(every_n_steps=200, active=3)
@@ -93,6 +101,7 @@ class ProfilerWindows(OpkitCallback):
         all_ranks: bool = False,
         span_validation: bool = False,
         roofline: bool = False,
+        memory: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
@@ -100,9 +109,9 @@ class ProfilerWindows(OpkitCallback):
             check_int(name, value, low)
         check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
                     with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
-                    span_validation=span_validation, roofline=roofline)
+                    span_validation=span_validation, roofline=roofline, memory=memory)
         # the roofline reads each op's shapes, dtypes and the profiler's GEMM FLOPs
-        self._profile_options = dict(record_shapes=record_shapes or roofline, profile_memory=profile_memory,
+        self._profile_options = dict(record_shapes=record_shapes or roofline, profile_memory=profile_memory or memory,
                                      with_stack=with_stack, with_flops=with_flops or roofline)
         _check_schedule(every_n_steps, warmup, active)
         self.every_n_steps = every_n_steps
@@ -119,6 +128,10 @@ class ProfilerWindows(OpkitCallback):
         self.all_ranks = all_ranks
         self.span_validation = span_validation
         self.roofline = roofline
+        self.memory = memory
+        #: the last window's memory view (``memory=True``)
+        self.memory_report: MemoryReport | None = None
+        self._probe: MemoryProbe | None = None
 
         self.windows_done = 0
         self.batches_seen = 0
@@ -164,9 +177,9 @@ class ProfilerWindows(OpkitCallback):
         self._open_writer(trainer, stage)
         self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
         self._enabled = self.all_ranks or trainer.is_global_zero
+        self._blocks = find_blocks(pl_module) if (self.roofline or self.memory) and stage == "fit" else self._blocks
         if self.roofline and stage == "fit":
             self._roofline_off = False
-            self._blocks = find_blocks(pl_module)
             self._link_gbps = measure_link(trainer.strategy.root_device)  # a collective: every rank, here
 
     @override
@@ -200,6 +213,7 @@ class ProfilerWindows(OpkitCallback):
         top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
         lines = [line, "  last window's top op classes: " + ", ".join(f"{c} {p:.1f}%" for c, p in top)
                  + f" ({report.step_time_ms:.2f} ms / step)"]
+        lines += memory_summary(self.memory_report) if self.memory_report is not None else []
         return lines + (roofline_summary(self.last_roofline) if self.last_roofline is not None else [])
 
     # the schedule: window_phase
@@ -213,6 +227,9 @@ class ProfilerWindows(OpkitCallback):
             return
         if self._window is None and opens_window(batch_no, self.every_n_steps):
             self._window = Window(self.every_n_steps, self.warmup, self.active, self._profile_options)
+            if self.memory and trainer.training:
+                self._probe = MemoryProbe(pl_module, self._blocks)
+                self._probe.begin()
         if self._window is not None:
             self._window.begin_batch(window_phase(batch_no, self.every_n_steps, self.warmup, self.active)[1])
 
@@ -225,6 +242,17 @@ class ProfilerWindows(OpkitCallback):
         window.end_batch()
         if window.ready:
             self._close(trainer, partial=False)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._probe is not None:
+            self._probe.forward_done()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._probe is not None and self._probe.gradients_unread:
+            self._probe.gradients_ready()
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -250,16 +278,23 @@ class ProfilerWindows(OpkitCallback):
                 self._report(trainer, window, partial)
         finally:
             window.release()
+            if self._probe is not None:
+                self._probe.close()
+                self._probe = None
 
     def _report(self, trainer: pl.Trainer, window: Window, partial: bool) -> None:
         report = summarize(window.prof, window.step_times, use_device=window.uses_cuda)
-        if self.profile_memory:
+        if self.profile_memory or self.memory:
             report.peak_memory_bytes = (float(torch.cuda.max_memory_allocated()) if window.uses_cuda
                                         else peak_cpu_memory(window.prof))
         self.windows_done += 1
         self.last_report = report
         if self.roofline and not self._roofline_off:
             self._roofline_report(trainer, window, report)
+        if self._probe is not None:
+            peak = float(torch.cuda.max_memory_allocated()) if window.uses_cuda else report.peak_memory_bytes
+            self.memory_report = self._probe.report(trainer.optimizers, trainer.global_step,
+                                                    None if peak is None else int(peak))
         step = trainer.global_step
         export_s = None
         if self.export_trace:
@@ -274,6 +309,8 @@ class ProfilerWindows(OpkitCallback):
             log_window(self._writer, report, step, window_no=self.windows_done, partial=partial, export_s=export_s,
                        with_flops=self.with_flops, top_k=self.top_k, charted=self._charted,
                        roofline=self.last_roofline if self.roofline else None)
+            if self.memory_report is not None and self._probe is not None:
+                log_memory(self._writer, self.memory_report, step, self.top_k, self.windows_done)
 
     def _roofline_report(self, trainer: pl.Trainer, window: Window, report: WindowReport) -> None:
         try:

@@ -1,0 +1,89 @@
+"""ProfilerWindows(memory=True): bytes by kind exact, activations per block against an independent count, read back."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import read_events, read_images
+from zoo import build
+
+from lightning_opkit import ProfilerWindows
+
+
+def _independent(model, batch, blocks):
+    """Bytes autograd saves in one forward, each storage once, parameters apart: in all, and while each block runs."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside: list[str] = []
+    total: set = set()
+    per_block: dict[str, set] = {b: set() for b in blocks}
+    handles = []
+    for name in blocks:
+        block = model.get_submodule(name)
+        handles.append(block.register_forward_pre_hook(lambda m, a, name=name: inside.append(name)))
+        handles.append(block.register_forward_hook(lambda m, a, o: inside.pop() and None))
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key[0] not in params:
+            total.add(key)
+            if inside:
+                per_block[inside[-1]].add(key)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(batch)
+    del loss
+    for handle in handles:
+        handle.remove()
+    return sum(n for _, n in total), {b: sum(n for _, n in keys) for b, keys in per_block.items()}
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "torch_encoder", "bn_cnn"])
+def test_memory_view_matches_independent_counts_and_is_read_back(tmp_path, name):
+    model = build(name)
+    windows = ProfilerWindows(every_n_steps=3, warmup=1, active=1, memory=True)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=5, logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="",
+                         version=""), callbacks=[windows], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(model, model.loader(n=48))
+    report = windows.memory_report
+    assert report is not None
+    blocks = list(report.by_block_class)
+    assert len(blocks) == 2
+
+    # parameters, gradients and optimizer state: exact
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert report.parameters == sum(params.values())
+    assert report.gradients == sum(params.values())  # every parameter trains, in its own dtype
+    state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert report.optimizer == sum(v.untyped_storage().nbytes() for v in state) > 0
+
+    # activations: within 15% of an independent count, in all and per block
+    batch = next(iter(model.loader(n=48)))
+    total, per_block = _independent(model, batch, blocks)
+    assert report.activations == pytest.approx(total, rel=0.15)
+    for block in blocks:
+        assert per_block[block] > 0
+        assert report.activations_by_module[block] == pytest.approx(per_block[block], rel=0.15), block
+    assert sum(report.activations_by_class.values()) == report.activations
+    assert report.peak is not None
+    assert report.peak > 0  # CPU: the profiler's peak of allocations over the recorded steps
+    assert set(report.block_forward_s) == set(blocks)
+
+    scalars, texts = read_events(str(tmp_path))
+    assert scalars["opkit/memory/activations_mb"][-1][1] == pytest.approx(report.activations / 2**20)
+    assert scalars["opkit/memory/parameters_mb"][-1][1] == pytest.approx(report.parameters / 2**20)
+    modules = texts["opkit/memory/modules"][-1][1]
+    assert f"| {blocks[0]} |" in modules
+    assert "**lever**" in modules
+    top = max(report.activations_by_class, key=report.activations_by_class.get)
+    assert f"| {top} | {report.activations_by_class[top] / 2**20:.2f} |" in texts["opkit/memory/op_classes"][-1][1]
+    assert "input" in report.activations_by_class  # the batch (or the embedding's ids) that no op produced
+    [(step, width, height, png)] = read_images(str(tmp_path))["opkit/memory/blocks"]
+    assert (width, height) == (900, 480)
+    assert png[:4] == b"\x89PNG"
+    assert any("memory (step" in line for line in windows.summary_lines())
+    # nothing stays registered between windows: no global module hooks, no saved-tensor hooks
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert not torch.nn.modules.module._global_forward_pre_hooks
