@@ -2,8 +2,8 @@
 
 For a GPT-2-style LM (Hugging Face GPT-2, 4 layers, d_model 128, 8 x 256 tokens) and a ResNet-style CNN (4 basic
 blocks of 32 channels, 64 x 32 x 32 images), four ways: no checkpointing, every block (full), every block keeping
-GEMM and attention outputs (selective, ``save=["matmul", "attention"]``, as torchtitan), and every other block.
-Bytes are counted by ``SavedBytes`` (what autograd saves, each storage once, plus what a selective checkpoint
+its GEMMs' outputs (selective: ``save=["matmul", "attention"]`` as torchtitan for the LM, ``["conv"]`` for the
+CNN), and every other block. Bytes are counted by ``SavedBytes`` (what autograd saves, each storage once, plus what a selective checkpoint
 caches); step time is a forward and backward, the variants interleaved in one process (A B C D A B C D ...),
 medians and ratios to none.
 
@@ -34,7 +34,8 @@ def gpt2():
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=1024, n_positions=256,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                       bos_token_id=0, eos_token_id=0))
     ids = torch.randint(0, 1024, (8, 256), generator=torch.Generator().manual_seed(0))
 
     def loss():
@@ -57,15 +58,16 @@ def cnn():
     return model, blocks, lambda: F.cross_entropy(model(x), y)
 
 
-VARIANTS = {"none": None, "full": (), "selective (matmul, attention)": ("matmul", "attention"),
-            "every other block (full)": "half"}
+VARIANTS = {"none": None, "full": (), "selective (GEMMs kept)": "selective", "every other block (full)": "half"}
+#: what the selective variant keeps: a transformer's GEMMs and attention (torchtitan's choice), a CNN's convolutions
+KEEP = {"gpt2": ("matmul", "attention"), "cnn": ("conv",)}
 
 
-def apply(blocks, variant):
+def apply(blocks, variant, keep):
     """Checkpoint ``blocks`` as ``variant`` says; returns an undo."""
     spec = VARIANTS[variant]
     chosen = [] if spec is None else (blocks[::2] if spec == "half" else blocks)
-    save = () if spec in (None, "half") else spec
+    save = keep if spec == "selective" else ()
     for block in chosen:
         block.forward = CheckpointedForward(block, block.forward, save)
         block.forward.note_kept = None
@@ -77,12 +79,12 @@ def apply(blocks, variant):
     return chosen, undo
 
 
-def measure(make, reps: int) -> None:
+def measure(make, reps: int, keep: tuple[str, ...]) -> None:
     model, blocks, loss = make()
     results = {v: {"bytes": 0, "times": []} for v in VARIANTS}
     for rep in range(reps + 1):  # the first round warms up
         for variant in VARIANTS:
-            chosen, undo = apply(blocks, variant)
+            chosen, undo = apply(blocks, variant, keep)
             saved = SavedBytes(model)
             for block in chosen:
                 block.forward.note_kept = saved.note
@@ -115,8 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios to no checkpointing")
     for name in args.models:
-        print(f"{name}:")
-        measure({"gpt2": gpt2, "cnn": cnn}[name], args.reps)
+        print(f"{name} (selective keeps {', '.join(KEEP[name])}):")
+        measure({"gpt2": gpt2, "cnn": cnn}[name], args.reps, KEEP[name])
 
 
 if __name__ == "__main__":
