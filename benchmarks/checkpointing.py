@@ -3,9 +3,9 @@
 For a GPT-2-style LM (Hugging Face GPT-2, 4 layers, d_model 128, 8 x 256 tokens) and a ResNet-style CNN (4 basic
 blocks of 32 channels, 64 x 32 x 32 images), four ways: no checkpointing, every block (full), every block keeping
 its GEMMs' outputs (selective: ``save=["matmul", "attention"]`` as torchtitan for the LM, ``["conv"]`` for the
-CNN), and every other block. Bytes are counted by ``SavedBytes`` (what autograd saves, each storage once, plus what a selective checkpoint
-caches); step time is a forward and backward, the variants interleaved in one process (A B C D A B C D ...),
-medians and ratios to none.
+CNN), and every other block. Bytes are counted by ``SavedBytes`` (what autograd saves, each storage once, plus
+what a selective checkpoint caches); step time is a forward and backward, the variants interleaved in one process
+(A B C D A B C D ...), medians and ratios to none.
 
     python benchmarks/checkpointing.py --reps 7
 """
