@@ -23,6 +23,7 @@ from zoo import ZooModule  # noqa: E402
 
 from examples.vit import ViTClassifier, load_digits_tensors  # noqa: E402
 from lightning_opkit import (  # noqa: E402
+    ActivationCheckpointing,
     NaNDetector,
     NonFiniteError,
     PrecisionPolicy,
@@ -179,17 +180,20 @@ class Probe(pl.Callback):
 
 def callbacks_for(name):
     made = {}
-    if "nan" in name or "all4" in name:
+    everything = "all4" in name or "all5" in name  # all5: ActivationCheckpointing and the memory view too
+    if "nan" in name or everything:
         made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip")
     if "auto" in name:
         made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2)
-    elif "precision" in name or "all4" in name:
+    elif "precision" in name or everything:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
-    if "profiler" in name or "all4" in name:
+    if "profiler" in name or everything:
         made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,
-                                           roofline=name == "profiler")
-    if "compile" in name or "all4" in name:
+                                           roofline=name == "profiler", memory="all5" in name)
+    if "compile" in name or everything:
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
+    if "all5" in name:
+        made["checkpointing"] = ActivationCheckpointing(measure_steps=1)
     return made
 
 
@@ -272,6 +276,13 @@ def fit(out, layout, name, steps=10):
                                   "matmul_gflops": roofline.rows["matmul"].flops / 1e9 / roofline.steps,
                                   "comm_bytes": comm.bytes / roofline.steps if comm else 0.0,
                                   "comm_lever": roofline.lever(comm) if comm else ""}
+    if "checkpointing" in made:
+        price = made["checkpointing"].price
+        result["checkpointed"] = made["checkpointing"].checkpointed
+        result["saved_cut"] = price.cut if price else None
+        memory = made["profiler"].memory_report
+        result["memory"] = None if memory is None else [memory.parameters, memory.gradients, memory.activations]
+        result["local_parameter_bytes"] = sum(local(p).untyped_storage().nbytes() for p in model.parameters())
     if "compile" in made:
         result["compiled"] = made["compile"].compiled
         result["frames"] = made["compile"].watch.frames

@@ -43,3 +43,13 @@ def test_spike_false_alarm_harness_prints_the_rate():
     assert [r[0] for r in rows] == ["torch_mha", "hf_gpt2"]
     assert all(int(r[1]) == 10 for r in rows)  # 30 steps, 20 of warm-up
     assert re.search(r"false-alarm rate: \d+ in 20 judged steps", out)
+
+
+def test_checkpointing_harness_prints_bytes_and_time_ratios():
+    script = os.path.join(os.path.dirname(SCRIPT), "checkpointing.py")
+    out = subprocess.run([sys.executable, script, "--reps", "1", "--models", "cnn"], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    rows = re.findall(r"^\s+(.+?)\s+([\d.]+) MB saved \(([\d.]+)\)\s+([\d.]+) ms/step \(([\d.]+)\)$", out, re.M)
+    assert [r[0] for r in rows] == ["none", "full", "selective (GEMMs kept)", "every other block (full)"]
+    assert float(rows[0][2]) == 1.0
+    assert float(rows[1][2]) < float(rows[2][2]) < 1.0  # full frees most, keeping the convolutions frees less

@@ -21,7 +21,7 @@ class Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(tmp_path, name, callbacks, steps=6, **trainer_kwargs):
+def _fit(tmp_path, name, callbacks, steps=8, **trainer_kwargs):
     model = build(name)
     losses = Losses()
     trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=pl.loggers.TensorBoardLogger(

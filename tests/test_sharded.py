@@ -24,7 +24,7 @@ POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, m
 def runs(tmp_path_factory):
     """Each layout's fits, run once for the module: {layout: {name: [rank 0's result, rank 1's]}}."""
     results = {}
-    for layout, names in (("fsdp", FSDP_RUNS), ("tp", TP_RUNS), ("zoo:hf_llama", ["plain", "all4"]),
+    for layout, names in (("fsdp", FSDP_RUNS), ("tp", TP_RUNS), ("zoo:hf_llama", ["plain", "all4", "all5"]),
                           ("vit", ["plain", "all4"])):
         out = tmp_path_factory.mktemp(layout.replace(":", "_"))
         proc = subprocess.run([sys.executable, SCRIPT, str(out), layout, ",".join(names)], capture_output=True,
@@ -188,6 +188,25 @@ def test_all_four_on_real_models_under_fsdp2(runs, layout, culprit, census, comp
         assert r["frames"] > 0
         assert r["hooks_left"] == plain["hooks_left"]
     assert r0["events"] == r1["events"]
+    _same_full_weights(r0["weights"], r1["weights"])
+
+
+def test_activation_checkpointing_and_the_memory_view_with_all_four_under_fsdp2(runs):
+    # The same run as all4 on the zoo's Llama, with every block also checkpointed and the memory view on: the fault
+    # is named and skipped alike, and the run computes what all4 computed (the recompute changes no value).
+    all4 = runs["zoo:hf_llama"]["all4"]
+    r0, r1 = runs["zoo:hf_llama"]["all5"]
+    for r, same in zip((r0, r1), all4, strict=True):
+        assert r["outcome"] == "finished"
+        assert r["events"] == same["events"]
+        assert r["checkpointed"] == ["model.model.layers.0", "model.model.layers.1"]
+        assert r["saved_cut"] > 0.2
+        parameters, gradients, activations = r["memory"]
+        assert parameters == r["local_parameter_bytes"]  # this rank's shards, exact
+        assert gradients == parameters
+        assert activations > 0
+        assert r["hooks_left"] == runs["zoo:hf_llama"]["plain"][0]["hooks_left"]
+        assert r["losses"] == pytest.approx(same["losses"], rel=1e-5)
     _same_full_weights(r0["weights"], r1["weights"])
 
 

@@ -19,12 +19,16 @@ from typing_extensions import override
 from lightning_opkit.checkpointing.region import CheckpointedForward
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_int
+from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.timing import StepClock
 from lightning_opkit.opclass import OP_CLASSES
 
 __all__ = ["ActivationCheckpointing", "Price"]
+
+#: steps before the measurement: the first steps compile (TorchCompile), measure peaks, choose dtypes
+_WARMUP = 3
 
 
 @dataclass
@@ -63,9 +67,9 @@ class ActivationCheckpointing(OpkitCallback):
     torchtitan does) and only the rest is recomputed. The recompute runs in the forward's dtypes (autocast and an
     attached PrecisionPolicy's), with the same RNG state, so losses and gradients are those of the run without it.
 
-    With ``measure``, a few steps early in the fit alternate without and with checkpointing (every rank alike) and
-    the activation bytes autograd saves and the step times are compared: that is the price. The steps without it
-    need the memory checkpointing frees: leave ``measure=False`` where they would not fit.
+    With ``measure``, a few steps early in the fit (from the fourth) alternate without and with checkpointing (every
+    rank alike) and the activation bytes autograd saves and the step times are compared: that is the price. The steps
+    without it need the memory checkpointing frees: leave ``measure=False`` where they would not fit.
 
     Args:
         modules: ``"auto"``: the model's repeated blocks (children of a ``ModuleList``/``Sequential`` sharing a class);
@@ -73,7 +77,8 @@ class ActivationCheckpointing(OpkitCallback):
         save: operator classes whose outputs are kept (selective checkpointing); ``None``: keep only the blocks'
             inputs.
         measure: measure the bytes saved and the time it costs, once.
-        measure_steps: steps with and as many without checkpointing, alternating, after one warm-up step.
+        measure_steps: steps with and as many without checkpointing, alternating, after three warm-up steps (the
+            first steps compile, and measure what other callbacks measure).
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[ActivationCheckpointing(save=["matmul", "attention"])], logger=False)
@@ -144,6 +149,7 @@ class ActivationCheckpointing(OpkitCallback):
             self._patches.set(module, "forward", region)
             self._regions.append(region)
         self.checkpointed = [name for name, _ in targets]
+        facts_of(trainer).checkpointed.update({name: list(self.save or []) for name in self.checkpointed})
         self._saved = SavedBytes(pl_module)
         writer = self._open_writer(trainer, stage)
         writer.table("opkit/checkpointing/config", ["setting", "value"],
@@ -170,7 +176,8 @@ class ActivationCheckpointing(OpkitCallback):
 
     def _phase(self, step: int) -> bool | None:
         """Whether step ``step`` is a measured one with checkpointing (``True``), without (``False``), or neither."""
-        if not self.measure or self.price is not None or not 1 <= step <= 2 * self.measure_steps:
+        first = _WARMUP + 1
+        if not self.measure or self.price is not None or not first <= step < first + 2 * self.measure_steps:
             return None
         return step % 2 == 0
 

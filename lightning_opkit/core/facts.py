@@ -57,6 +57,7 @@ class RunFacts:
     in fp32. ``dtypes``: op class -> the dtype a policy runs it in. ``compiled``: the compiled regions;
     ``eager_regions``: those running eagerly because compiled measured slower (region -> eager / compiled time).
     ``repairs``: module path -> dtype it was pinned to after a precision fault. ``peaks``: the measured peaks.
+    ``checkpointed``: block path -> the op classes whose outputs its activation checkpoint keeps (empty: full).
     """
 
     speeds: dict[tuple[str, str], SpeedFact] = field(default_factory=dict)
@@ -65,6 +66,7 @@ class RunFacts:
     compiled: list[str] = field(default_factory=list)
     eager_regions: dict[str, float] = field(default_factory=dict)
     repairs: dict[str, str] = field(default_factory=dict)
+    checkpointed: dict[str, list[str]] = field(default_factory=dict)
     peaks: Any = None
 
     def speed(self, op_class: str) -> SpeedFact | None:

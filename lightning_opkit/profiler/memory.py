@@ -61,6 +61,8 @@ class MemoryReport:
         by_block_class: per block, bytes by op class (the picture's stacked bars).
         block_forward_s: each block's forward time in the probed step.
         step: the global step probed.
+        checkpointed: blocks an attached ActivationCheckpointing checkpoints (the run's facts): the lever says so
+            rather than advise what is done.
     """
 
     parameters: int
@@ -73,6 +75,7 @@ class MemoryReport:
     by_block_class: dict[str, dict[str, int]] = field(default_factory=dict)
     block_forward_s: dict[str, float] = field(default_factory=dict)
     step: int = -1
+    checkpointed: dict[str, list[str]] = field(default_factory=dict)
 
     def scalars(self) -> dict[str, float | None]:
         """``opkit/memory/...`` scalars, in MB."""
@@ -101,6 +104,12 @@ class MemoryReport:
         """Which blocks to checkpoint, the bytes it frees (measured) and the recompute it costs (their forwards)."""
         if not self.by_block_class or not self.activations:
             return None
+        done = [b for b in self.by_block_class if b in self.checkpointed]
+        if done:
+            kept = sum(self.activations_by_module.get(b, 0) for b in done)
+            return (f"{len(done)} of {len(self.by_block_class)} blocks are checkpointed already"
+                    f" (ActivationCheckpointing): they hold {kept / _MB:.2f} MB of the {self.activations / _MB:.2f} MB"
+                    " saved for backward")
         held = sum(self.activations_by_module.get(b, 0) for b in self.by_block_class)
         seconds = sum(self.block_forward_s.get(b, 0.0) for b in self.by_block_class)
         if held < 0.2 * self.activations:
@@ -170,7 +179,8 @@ class MemoryProbe:
         """Before the optimizer step: the gradients' bytes are read now (zero_grad may free them after)."""
         self._gradients = tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
 
-    def report(self, optimizers: list[torch.optim.Optimizer], step: int, peak: int | None = None) -> MemoryReport:
+    def report(self, optimizers: list[torch.optim.Optimizer], step: int, peak: int | None = None,
+               checkpointed: dict[str, list[str]] | None = None) -> MemoryReport:
         """What was probed, and the bytes of the parameters and the optimizers' state now."""
         self.forward_done()
         if self._gradients < 0:
@@ -186,7 +196,7 @@ class MemoryProbe:
         times = {p: c.seconds(wait=True)[-1] for p, c in self._clocks.items() if c.seconds(wait=True)}
         return MemoryReport(tensor_bytes(self.model.parameters()), self._gradients, tensor_bytes(state),
                             self.saved.activations, peak, dict(self.saved.by_module), by_class, by_block, times,
-                            step)
+                            step, dict(checkpointed or {}))
 
     def close(self) -> None:
         """Stop whatever is still open (an exception mid-step)."""

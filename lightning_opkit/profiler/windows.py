@@ -294,7 +294,7 @@ class ProfilerWindows(OpkitCallback):
         if self._probe is not None:
             peak = float(torch.cuda.max_memory_allocated()) if window.uses_cuda else report.peak_memory_bytes
             self.memory_report = self._probe.report(trainer.optimizers, trainer.global_step,
-                                                    None if peak is None else int(peak))
+                                                    None if peak is None else int(peak), facts_of(trainer).checkpointed)
         step = trainer.global_step
         export_s = None
         if self.export_trace:
