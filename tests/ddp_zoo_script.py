@@ -12,7 +12,13 @@ import torch  # noqa: E402
 from helpers import SkewedAuto  # noqa: E402
 from zoo import ZooModule  # noqa: E402
 
-from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+from lightning_opkit import (  # noqa: E402
+    ActivationCheckpointing,
+    NaNDetector,
+    PrecisionPolicy,
+    ProfilerWindows,
+    TorchCompile,
+)
 from lightning_opkit.precision import decide  # noqa: E402
 
 
@@ -32,8 +38,12 @@ if __name__ == "__main__":
     else:
         policy = PrecisionPolicy(modules={"model.head": "fp32"}, census_every_n_steps=2)
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1)
+    # regional: the compiled blocks also checkpointed (both wrap each block's forward)
+    extra = [ActivationCheckpointing(modules=["model.encoder.layers.*"], measure=False)] if regional and not auto \
+        else []
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5,
-                         callbacks=[policy, detector, windows, compiler], logger=pl.loggers.TensorBoardLogger(out),
+                         callbacks=[policy, detector, windows, compiler, *extra],
+                         logger=pl.loggers.TensorBoardLogger(out),
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=out)
     trainer.fit(model, model.loader(n=64))
@@ -44,6 +54,9 @@ if __name__ == "__main__":
         "global_step": trainer.global_step,
         "frames": compiler.watch.frames,
         "graphs": compiler.watch.graphs,
+        "checkpointed": extra[0].checkpointed if extra else None,
+        # the root is left out: Lightning's DDP forward redirection restores it as an instance attribute
+        "forward_patched": [n for n, m in model.named_modules() if n and "forward" in vars(m)],
         "graph_breaks": sum(compiler.watch.graph_breaks().values()),
         "error": compiler.error,
         "census": sorted(f"{c}:{d}" for c, d in policy.census),

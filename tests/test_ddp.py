@@ -83,6 +83,9 @@ def test_all_four_callbacks_under_ddp_with_a_nan_on_one_rank(tmp_path, regional)
         assert "norm:fp32" in r["census"], r
     if regional == "whole":
         assert r0["graph_breaks"] <= 2, r0  # DDP's forward redirection must not put training_step under dynamo
+    else:  # with ActivationCheckpointing on the compiled blocks: same fault, same skip, ranks in lockstep
+        assert r0["checkpointed"] == r1["checkpointed"] == ["model.encoder.layers.0", "model.encoder.layers.1"]
+    assert r0["forward_patched"] == r1["forward_patched"] == []  # every callback's wrapper undone
     assert r0["windows"] == 2
     assert r1["windows"] == 0
 
