@@ -53,3 +53,15 @@ def test_checkpointing_harness_prints_bytes_and_time_ratios():
     assert [r[0] for r in rows] == ["none", "full", "selective (GEMMs kept)", "every other block (full)"]
     assert float(rows[0][2]) == 1.0
     assert float(rows[1][2]) < float(rows[2][2]) < 1.0  # full frees most, keeping the convolutions frees less
+
+
+def test_layout_harness_prints_the_roofline_fact_beside_the_whole_step_ratio():
+    script = os.path.join(os.path.dirname(SCRIPT), "layout.py")
+    out = subprocess.run([sys.executable, script, "--reps", "1", "--widths", "8", "--batch", "4", "--size", "16"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = re.findall(r"width\s+(\d+): roofline's conv fact ([\d.]+)\s+whole step ([\d.]+) -> ([\d.]+) ms \(([\d.]+)\)",
+                      out)
+    assert [r[0] for r in rows] == ["8"]
+    assert float(rows[0][1]) > 0
+    assert float(rows[0][4]) > 0
+    assert re.search(r"^machine: .+, \d+ threads, torch ", out, re.M)

@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo import build
 
 from lightning_opkit import ProfilerWindows
-from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
+from lightning_opkit.core.facts import LayoutFact, RunFacts, SpeedFact, facts_of
+from lightning_opkit.profiler.roofline.layout_speed import _step
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
@@ -385,3 +386,68 @@ def test_no_fusion_lever_where_torch_compile_compiled_and_eager_regions_named():
     assert "TorchCompile(modules=" not in lever  # compiled already: fusion is not the lever
     assert "compiled already" in lever
     assert "model.blocks.1 (0.80x)" in lever  # the region measured slower compiled, and running eager, is named
+
+
+# ---- memory layout, measured: channels_last against contiguous at the model's own convolutions
+
+
+def _conv_lever(ratio, current):
+    rows, peaks = _compute_bound_matmul()
+    rows = {"conv": ClassRoofline("conv", {"fp32": 1e12}, bytes=1e9, seconds=2.0, calls=10)}
+    fact = LayoutFact("conv", ratio, current, "this model's 2 costliest conv shapes", "measured by the roofline")
+    report = RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts(layouts={"conv": fact}))
+    return fact, report.lever(rows["conv"])
+
+
+def test_layout_lever_only_where_the_measurement_supports_it():
+    fact, lever = _conv_lever(0.5, "contiguous")
+    assert f"{fact.phrase()}: model.to(memory_format=torch.channels_last) before fit" in lever
+    fact, lever = _conv_lever(1.02, "contiguous")  # inside the 5% bar: no switch for noise
+    assert f"{fact.phrase()}: no layout lever here" in lever
+    assert "memory_format" not in lever
+    fact, lever = _conv_lever(1.5, "channels_last")  # a model in the slower layout is told to go back
+    assert f"runs channels_last, but {fact.phrase()}: model.to(memory_format=torch.contiguous_format)" in lever
+    fact, lever = _conv_lever(0.5, "channels_last")
+    assert f"runs channels_last ({fact.phrase()})" in lever
+    assert "memory_format" not in lever
+    rows, peaks = _compute_bound_matmul()  # not timed: nothing said about layout
+    assert "channels_last" not in RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts()).lever(
+        rows["matmul"])
+
+
+def test_both_layouts_timed_compute_the_same_gradients():
+    # the comparison is fair only if the two runs do the same work: the same convolution, in two layouts
+    arguments = [[2, 2], [1, 1], [1, 1], False, [0, 0], 2]
+    torch.manual_seed(0)
+    contiguous = _step([[4, 8, 16, 16], [16, 4, 3, 3], [16]], arguments, torch.float32, torch.device("cpu"), False)
+    torch.manual_seed(0)
+    channels_last = _step([[4, 8, 16, 16], [16, 4, 3, 3], [16]], arguments, torch.float32, torch.device("cpu"), True)
+    for a, b in zip(contiguous(), channels_last(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert channels_last()[0].is_contiguous(memory_format=torch.channels_last)
+    assert not contiguous()[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_the_roofline_times_the_zoo_cnns_convolutions_in_both_layouts(tmp_path, layout):
+    torch.manual_seed(0)
+    model = build("bn_cnn")
+    if layout == "channels_last":
+        model.to(memory_format=torch.channels_last)
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, roofline=True, export_trace=False)
+    trainer = helpers.trainer(tmp_path, [windows], max_steps=3)
+    trainer.fit(model, model.loader())
+    fact = facts_of(trainer).layouts["conv"]
+    assert fact.current == layout
+    assert fact.source == "measured by the roofline in window 1"
+    # the zoo CNN's own convolutions as recorded: the 3->8 stem and the 8->8 blocks on its 8x3x16x16 images
+    assert "costliest conv shapes" in fact.shapes, fact.shapes
+    assert "8x8x3x3" in fact.shapes, fact.shapes
+    assert 0 < fact.ratio < 100
+    roofline = windows.last_roofline
+    lever = roofline.lever(roofline.rows["conv"])
+    assert fact.phrase() in lever  # whichever way it came out on this machine, the lever says what it rests on
+    faster = fact.ratio * 1.05 <= 1
+    assert ("model.to(memory_format=torch.channels_last)" in lever) == (faster and layout == "contiguous")
+    assert ("memory_format=torch.contiguous_format" in lever) == (fact.ratio > 1.05 and layout == "channels_last")
+    assert fact.phrase() in texts_of(tmp_path)["opkit/profiler/roofline"][-1][1]

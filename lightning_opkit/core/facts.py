@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RunFacts", "SpeedFact", "facts_of", "new_facts"]
+__all__ = ["LayoutFact", "RunFacts", "SpeedFact", "facts_of", "new_facts"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,35 @@ class SpeedFact:
         return f"{self.dtype} measured {how} than fp32 at {self.shapes} ({self.source})"
 
 
+@dataclass(frozen=True)
+class LayoutFact:
+    """An op class's time in ``channels_last`` against contiguous, forward and backward, at this model's shapes.
+
+    Args:
+        op_class: the op class (``"conv"``).
+        ratio: time in channels_last over time contiguous (below 1: channels_last is faster).
+        current: the layout the model runs in now: ``"contiguous"`` or ``"channels_last"``.
+        shapes: which shapes were timed, in words.
+        source: who measured it, and when.
+    """
+
+    op_class: str
+    ratio: float
+    current: str
+    shapes: str
+    source: str
+
+    def phrase(self) -> str:
+        """``"channels_last measured 1.80x faster than contiguous (forward and backward) at ... (source)"``.
+
+        Example:
+            >>> LayoutFact("conv", 0.5, "contiguous", "2 shapes", "window 1").phrase()
+            'channels_last measured 2.00x faster than contiguous (forward and backward) at 2 shapes (window 1)'
+        """
+        how = f"{1 / self.ratio:.2f}x faster" if self.ratio < 1 else f"{self.ratio:.2f}x slower"
+        return f"channels_last measured {how} than contiguous (forward and backward) at {self.shapes} ({self.source})"
+
+
 @dataclass
 class RunFacts:
     """The measurements and actions of one fit that more than one callback reads.
@@ -58,6 +87,7 @@ class RunFacts:
     ``eager_regions``: those running eagerly because compiled measured slower (region -> eager / compiled time).
     ``repairs``: module path -> dtype it was pinned to after a precision fault. ``peaks``: the measured peaks.
     ``checkpointed``: block path -> the op classes whose outputs its activation checkpoint keeps (empty: full).
+    ``layouts``: op class -> :class:`LayoutFact`, its channels_last time against contiguous.
     """
 
     speeds: dict[tuple[str, str], SpeedFact] = field(default_factory=dict)
@@ -67,6 +97,7 @@ class RunFacts:
     eager_regions: dict[str, float] = field(default_factory=dict)
     repairs: dict[str, str] = field(default_factory=dict)
     checkpointed: dict[str, list[str]] = field(default_factory=dict)
+    layouts: dict[str, LayoutFact] = field(default_factory=dict)
     peaks: Any = None
 
     def speed(self, op_class: str) -> SpeedFact | None:

@@ -30,6 +30,7 @@ from lightning_opkit.profiler.log import log_window
 from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
 from lightning_opkit.profiler.memory_log import log_memory, memory_summary
 from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
+from lightning_opkit.profiler.roofline.layout_speed import conv_layout
 from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
 from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
@@ -318,7 +319,8 @@ class ProfilerWindows(OpkitCallback):
                 window.prof, report.steps, report.step_time_ms / 1e3, device=trainer.strategy.root_device,
                 communication_seconds=report.communication_us / 1e6,
                 exposed_communication_seconds=report.exposed_communication_us / 1e6, link_gbps=self._link_gbps,
-                blocks=self._blocks, cuda=window.uses_cuda, facts=facts_of(trainer), window=self.windows_done)
+                blocks=self._blocks, cuda=window.uses_cuda, facts=facts_of(trainer), window=self.windows_done,
+                conv_layout=conv_layout(trainer.lightning_module))
         except Exception as err:  # measuring the peaks can run out of memory beside the model: not worth the run
             self._roofline_off = True
             self.last_roofline = None

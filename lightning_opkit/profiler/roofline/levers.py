@@ -16,7 +16,7 @@ from lightning_opkit.profiler.roofline.work import ClassRoofline
 if TYPE_CHECKING:
     from lightning_opkit.profiler.roofline.report import RooflineReport
 
-__all__ = ["block_glob", "lever", "precision_lever"]
+__all__ = ["block_glob", "layout_lever", "lever", "precision_lever"]
 
 #: a lower precision counts as a lever only when measured this much faster than fp32 (the precision policy's own bar)
 _FASTER = 1.05
@@ -111,6 +111,25 @@ def _overhead_lever(row: ClassRoofline, report: RooflineReport, pct: float) -> s
             f" of its roof: fewer, larger ops: " + ", ".join(options))
 
 
+def layout_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, str] | None:
+    """``(actionable, words)`` about the class's memory layout, from this run's timing of both; ``None``: not timed.
+
+    A layout is suggested only where it measured faster (by the same 5% bar as a precision): the one line that applies
+    it converts the model's weights, and convolution follows its weight's layout (oneDNN and cuDNN both do).
+    """
+    fact = report.facts.layouts.get(row.op_class) if report.facts is not None else None
+    if fact is None:
+        return None
+    if fact.current == "channels_last":
+        if fact.ratio > _FASTER:
+            return True, (f"runs channels_last, but {fact.phrase()}:"
+                          " model.to(memory_format=torch.contiguous_format) before fit")
+        return False, f"runs channels_last ({fact.phrase()})"
+    if fact.ratio * _FASTER <= 1:
+        return True, f"{fact.phrase()}: model.to(memory_format=torch.channels_last) before fit"
+    return False, f"{fact.phrase()}: no layout lever here"
+
+
 def lever(row: ClassRoofline, report: RooflineReport) -> str:
     """What to do about ``row``, with the measurement that supports it; no lever the measurement does not support.
 
@@ -118,6 +137,12 @@ def lever(row: ClassRoofline, report: RooflineReport) -> str:
         row: one class of the window.
         report: the window (peaks, whether compiled, the model's blocks).
     """
+    text = _lever(row, report)
+    layout = layout_lever(row, report)
+    return text if layout is None else f"{text}; {layout[1]}"
+
+
+def _lever(row: ClassRoofline, report: RooflineReport) -> str:
     peaks = report.peaks
     if row.op_class == "communication":
         return _communication_lever(row, report)

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_opkit.core.facts import RunFacts
 from lightning_opkit.opclass import GEMM_CLASSES
 from lightning_opkit.profiler.roofline.gemm_speed import gemm_speed
+from lightning_opkit.profiler.roofline.layout_speed import conv_layout_speed
 from lightning_opkit.profiler.roofline.levers import lever
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
@@ -85,7 +86,7 @@ class RooflineReport:
 def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, communication_seconds: float = 0.0,
                  exposed_communication_seconds: float = 0.0, link_gbps: float | None = None,
                  blocks: list[str] | None = None, cuda: bool = False, facts: RunFacts | None = None,
-                 window: int = 0) -> RooflineReport:
+                 window: int = 0, conv_layout: str = "contiguous") -> RooflineReport:
     """A stopped window's roofline: work per class from the trace, peaks measured (once per process) for its dtypes.
 
     Args:
@@ -99,8 +100,9 @@ def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, com
         blocks: the model's repeated blocks, for the fusion lever.
         cuda: the window ran on a GPU (device self times).
         facts: the run's shared facts: the peaks go there, and, where no precision policy runs, the window's own
-            bf16 timing at its GEMM shapes (once a run).
+            bf16 timing at its GEMM shapes (once a run); where convolutions ran, their channels_last timing (once).
         window: the window's number (for the facts' sources).
+        conv_layout: the layout the model's convolutions run in (``"contiguous"`` or ``"channels_last"``).
     """
     rows = class_rooflines(prof, use_device=cuda)
     if "communication" in rows:
@@ -115,4 +117,8 @@ def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, com
             found = gemm_speed(prof, device, window, use_device=cuda)
             if found is not None:
                 facts.speeds[("matmul", found.dtype)] = found
+        if "conv" in rows and "conv" not in facts.layouts:
+            layout = conv_layout_speed(prof, device, window, current=conv_layout, use_device=cuda)
+            if layout is not None:
+                facts.layouts["conv"] = layout
     return RooflineReport(rows, peaks, steps, step_seconds, exposed_communication_seconds, blocks or [], cuda, facts)
