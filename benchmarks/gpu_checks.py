@@ -27,11 +27,14 @@ can be (the exported Chrome trace, CUDA's sync debug mode, the datasheet):
 8. ``fp16 + GradScaler``: a fp16 matmul policy under 16-mixed trains finite, with its census.
 9. ``cudagraphs``: ``TorchCompile(mode="reduce-overhead")`` with ``NaNDetector`` trains without falling back, no
    false event.
+10. ``memory``: the memory view's peak is the allocator's, its activations positive; ``ActivationCheckpointing`` on
+    every block cuts them by 40% or more; a fit that runs out of memory leaves a snapshot that loads, with segments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -53,7 +56,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile  # noqa: E402
+from lightning_opkit import (  # noqa: E402
+    ActivationCheckpointing,
+    NaNDetector,
+    PrecisionPolicy,
+    ProfilerWindows,
+    TorchCompile,
+)
 
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -347,6 +356,43 @@ def check_cudagraphs(c: Check, root: str) -> None:
              f"compiled, no fallback ({compiler.error}), no event")
 
 
+class Hungry(LM):
+    """The LM, asking the GPU for a petabyte at step 4: a real CUDA out-of-memory error."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 4:
+            torch.empty(2**50, dtype=torch.uint8, device=self.device)
+        return super().training_step(batch, batch_idx)
+
+
+def check_memory(c: Check, root: str) -> None:
+    """Check 10: the memory view and ActivationCheckpointing on CUDA; a snapshot on out of memory."""
+    saved = {}
+    for name, extra in (("none", []), ("full", [ActivationCheckpointing(modules="auto", measure=False)])):
+        windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=True, export_trace=False)
+        fit(LM(d=256, layers=2, heads=4), [windows, *extra], 3, os.path.join(root, name), precision="bf16-mixed")
+        report = windows.memory_report
+        saved[name] = report.activations if report is not None else 0
+        c.note(f"{name}: activations {saved[name] / 2**20:.1f} MB, peak"
+               f" {(report.peak or 0) / 2**20 if report is not None else float('nan'):.1f} MB (allocator)")
+        c.expect(report is not None and report.peak is not None and report.activations > 0,
+                 f"{name}: a memory view with the allocator's peak")
+    c.expect(saved["full"] <= 0.6 * saved["none"], "checkpointing every block cuts saved activations by >= 40%")
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=True, memory_snapshot=True,
+                              export_trace=False)
+    with contextlib.suppress(torch.OutOfMemoryError):
+        fit(Hungry(d=256, layers=2, heads=4), [windows], 6, os.path.join(root, "oom"))
+    path = windows.snapshot_file
+    segments = -1
+    if path is not None and os.path.exists(path):
+        import pickle
+
+        with open(path, "rb") as f:
+            segments = len(pickle.load(f).get("segments", []))
+    c.note(f"snapshot {path} ({os.path.getsize(path) if path and os.path.exists(path) else 0} B, {segments} segments)")
+    c.expect(segments > 0, "out of memory left a snapshot that loads, with the allocator's segments")
+
+
 CHECKS: list[tuple[str, Callable[[Check, str], None]]] = [
     ("1+2. device time and roofline, eager", lambda c, r: check_device_time(c, r, compiled=False)),
     ("1. device time, compiled (Inductor)", lambda c, r: check_device_time(c, r, compiled=True)),
@@ -357,6 +403,7 @@ CHECKS: list[tuple[str, Callable[[Check, str], None]]] = [
     ("7. NaN named", check_nan_named),
     ("8. fp16 + GradScaler", check_fp16_scaler),
     ("9. cudagraphs", check_cudagraphs),
+    ("10. memory", check_memory),
 ]
 
 

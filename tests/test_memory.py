@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import read_events, read_images
-from zoo import build
+from zoo import ZooModule, build
 
 from lightning_opkit import ProfilerWindows
 
@@ -87,3 +87,43 @@ def test_memory_view_matches_independent_counts_and_is_read_back(tmp_path, name)
     # nothing stays registered between windows: no global module hooks, no saved-tensor hooks
     assert not torch.nn.modules.module._global_forward_hooks
     assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+class RunsOutOfMemory(ZooModule):
+    """A zoo model whose training step, at ``at``, asks the CPU allocator for more than any machine has."""
+
+    def __init__(self, name: str, at: int) -> None:
+        super().__init__(name)
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.at:
+            torch.empty(2**50, dtype=torch.uint8)  # a real allocation failure, not a raised stand-in
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_out_of_memory_prints_the_last_windows_memory_and_the_lever(tmp_path, capsys, memory):
+    model = RunsOutOfMemory("hf_gpt2", at=4)
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=memory, memory_snapshot=True,
+                              export_trace=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[windows], enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         logger=pl.loggers.TensorBoardLogger(str(tmp_path)))
+    with pytest.warns(UserWarning, match="memory_snapshot=True.* records CUDA allocations; this run is on cpu"), \
+            pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer.fit(model, model.loader())
+    out = capsys.readouterr().out
+    assert "opkit run summary (ended by RuntimeError" in out
+    if memory:
+        report = windows.memory_report
+        assert report is not None
+        assert report.step <= model.at  # a window before the failure; the one open when it failed recorded nothing
+        assert f"memory (step {report.step}): parameters {report.parameters / 2**20:.1f} MB" in out
+        assert f"lever: {report.lever()}" in out
+        assert "ActivationCheckpointing(modules=" in report.lever()  # GPT-2's blocks hold most of the activations
+        assert f"out of memory: the memory lines above are the last window's (step {report.step})" in out
+    else:
+        assert "out of memory: ProfilerWindows(memory=True) shows which blocks hold the activations" in out
+    assert windows.snapshot_file is None  # CUDA's history only: on a CPU, warned at setup and nothing written
+    assert "memory snapshot:" not in out

@@ -30,6 +30,10 @@ NAMES = [
     "torch._foreach_norm", "torch._foreach_copy_", "torch.utils._pytree.tree_map", "torch.utils._pytree.tree_leaves",
     "torch.distributed.fsdp.FSDPModule", "torch.cuda.Event", "torch.overrides.TorchFunctionMode",
     "torch.backends.cuda.matmul.fp32_precision",
+    # the memory view, activation checkpointing, the snapshot on out of memory
+    "torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot", "torch.OutOfMemoryError",
+    "torch.utils.checkpoint.create_selective_checkpoint_contexts", "torch.autograd.graph.saved_tensors_hooks",
+    "torch.channels_last", "torch.channels_last_3d",
 ]
 
 

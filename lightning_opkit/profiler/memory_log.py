@@ -8,7 +8,7 @@ from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.profiler.memory import MemoryReport
 
-__all__ = ["blocks_figure", "log_memory", "memory_summary"]
+__all__ = ["blocks_figure", "log_memory", "memory_summary", "out_of_memory_lines"]
 
 _MB = 2**20
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
@@ -90,4 +90,23 @@ def memory_summary(report: MemoryReport) -> list[str]:
     lever = report.lever()
     if lever:
         lines.append(f"  lever: {lever}")
+    return lines
+
+
+def out_of_memory_lines(report: MemoryReport | None, memory: bool, snapshot: str | None) -> list[str]:
+    """What the run summary adds when the fit ran out of memory: where to look next.
+
+    Example:
+        >>> "ProfilerWindows(memory=True)" in out_of_memory_lines(None, False, None)[0]
+        True
+    """
+    if report is not None:
+        lines = [f"  out of memory: the memory lines above are the last window's (step {report.step})"]
+    elif memory:
+        lines = ["  out of memory before the first memory window: windows sooner (every_n_steps) show where it goes"]
+    else:
+        lines = ["  out of memory: ProfilerWindows(memory=True) shows which blocks hold the activations and what"
+                 " checkpointing them would free"]
+    if snapshot is not None:
+        lines.append(f"  memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)")
     return lines

@@ -7,7 +7,9 @@ Logged (rank zero), per window at its last step: ``opkit/profiler/windows``, ``s
 ``pct_bandwidth``, ``intensity``, ``mfu`` (and ``mfu_fp32``, ``mfu_bf16``, ``model_tflops``), the ``roofline`` table
 (text) and the ``roofline_plot`` image. With ``memory``: ``opkit/memory/{parameters_mb,gradients_mb,optimizer_mb,
 activations_mb,peak_mb}``, the ``opkit/memory/modules`` and ``opkit/memory/op_classes`` tables and the
-``opkit/memory/blocks`` picture. Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``.
+``opkit/memory/blocks`` picture. Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``; with
+``memory_snapshot``, on CUDA, a fit that runs out of memory leaves
+``<log dir>/traces/memory_snapshot.rank<r>.<step>.pickle``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from lightning_opkit.core.logging import run_log_dir
 from lightning_opkit.core.select import find_blocks
 from lightning_opkit.profiler.log import log_window
 from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
-from lightning_opkit.profiler.memory_log import log_memory, memory_summary
+from lightning_opkit.profiler.memory_log import log_memory, memory_summary, out_of_memory_lines
+from lightning_opkit.profiler.memory_snapshot import Snapshot, out_of_memory
 from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit.profiler.roofline.layout_speed import conv_layout
 from lightning_opkit.profiler.roofline.peaks import measure_link
@@ -78,6 +81,9 @@ class ProfilerWindows(OpkitCallback):
             gradients, optimizer state and activations saved for backward (by module and by the op class that
             produced them), the peak, and which blocks to checkpoint at what cost; tables, a picture, scalars and
             :attr:`memory_report`. Turns on ``profile_memory`` (the peak on a CPU).
+        memory_snapshot: on CUDA, record the allocation history for the whole fit and, if it runs out of memory,
+            dump a snapshot next to the traces (https://pytorch.org/memory_viz opens it). CUDA only: warned and
+            nothing recorded elsewhere.
 
     Example:
         >>> windows = ProfilerWindows(every_n_steps=200, active=3)
@@ -103,6 +109,7 @@ class ProfilerWindows(OpkitCallback):
         span_validation: bool = False,
         roofline: bool = False,
         memory: bool = False,
+        memory_snapshot: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
@@ -110,7 +117,7 @@ class ProfilerWindows(OpkitCallback):
             check_int(name, value, low)
         check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
                     with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
-                    span_validation=span_validation, roofline=roofline, memory=memory)
+                    span_validation=span_validation, roofline=roofline, memory=memory, memory_snapshot=memory_snapshot)
         # the roofline reads each op's shapes, dtypes and the profiler's GEMM FLOPs
         self._profile_options = dict(record_shapes=record_shapes or roofline, profile_memory=profile_memory or memory,
                                      with_stack=with_stack, with_flops=with_flops or roofline)
@@ -130,6 +137,11 @@ class ProfilerWindows(OpkitCallback):
         self.span_validation = span_validation
         self.roofline = roofline
         self.memory = memory
+        self.memory_snapshot = memory_snapshot
+        #: the snapshot written when the fit ran out of memory (``memory_snapshot``, CUDA)
+        self.snapshot_file: str | None = None
+        self._snapshot = Snapshot()
+        self._out_of_memory = False
         #: the last window's memory view (``memory=True``)
         self.memory_report: MemoryReport | None = None
         self._probe: MemoryProbe | None = None
@@ -179,6 +191,11 @@ class ProfilerWindows(OpkitCallback):
         self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
         self._enabled = self.all_ranks or trainer.is_global_zero
         self._blocks = find_blocks(pl_module) if (self.roofline or self.memory) and stage == "fit" else self._blocks
+        if stage == "fit":
+            self._out_of_memory, self.snapshot_file = False, None
+        if self.memory_snapshot and stage == "fit" and not self._snapshot.start(trainer.strategy.root_device):
+            warnings.warn(f"ProfilerWindows(memory_snapshot=True) records CUDA allocations; this run is on"
+                          f" {trainer.strategy.root_device}: no snapshot.", stacklevel=2)
         if self.roofline and stage == "fit":
             self._roofline_off = False
             self._link_gbps = measure_link(trainer.strategy.root_device)  # a collective: every rank, here
@@ -186,6 +203,18 @@ class ProfilerWindows(OpkitCallback):
     @override
     def _wind_down(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(trainer, partial=True)
+
+    @override
+    def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
+        self._snapshot.stop()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._out_of_memory = out_of_memory(exception)
+        if self._out_of_memory and self._snapshot.recording:
+            self.snapshot_file = self._snapshot.dump(os.path.join(
+                self._trace_dir, f"memory_snapshot.rank{trainer.global_rank}.{trainer.global_step}.pickle"))
+        super().on_exception(trainer, pl_module, exception)
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The op-class charts, and the roofline's where this callback draws one (empty charts are clutter)."""
@@ -209,13 +238,14 @@ class ProfilerWindows(OpkitCallback):
         """This callback's lines of the run summary."""
         line = f"profiler: {self.windows_done} window(s), {len(self.trace_files)} trace file(s) in {self._trace_dir}"
         report = self.last_report
+        oom = out_of_memory_lines(self.memory_report, self.memory, self.snapshot_file) if self._out_of_memory else []
         if report is None:
-            return [line]
+            return [line, *oom]
         top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
         lines = [line, "  last window's top op classes: " + ", ".join(f"{c} {p:.1f}%" for c, p in top)
                  + f" ({report.step_time_ms:.2f} ms / step)"]
         lines += memory_summary(self.memory_report) if self.memory_report is not None else []
-        return lines + (roofline_summary(self.last_roofline) if self.last_roofline is not None else [])
+        return lines + (roofline_summary(self.last_roofline) if self.last_roofline is not None else []) + oom
 
     # the schedule: window_phase
 
