@@ -1,4 +1,6 @@
 import os
+import pathlib
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -7,17 +9,19 @@ from helpers import TinyNet, make_loader, read_events
 from torch import nn
 
 from examples.vit import TinyViT
+from lightning_opkit.core import tags
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.select import match_rule, resolve_modules
+from lightning_opkit.core.tags import TAGS, UnlistedTagWarning, markdown
 from lightning_opkit.core.text import markdown_table
 
 
 class _Writes(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         w = LogWriter(trainer)
-        w.scalar("opkit/test/value", batch_idx * 1.5, trainer.global_step)
-        w.table("opkit/test/table", ["a", "b"], [[1, 2.5]], trainer.global_step)
+        w.scalar("opkit/nan/events", batch_idx * 1.5, trainer.global_step)
+        w.table("opkit/profiler/top_ops", ["a", "b"], [[1, 2.5]], trainer.global_step)
         w.close()
         self.log_dir = w.log_dir
 
@@ -28,8 +32,8 @@ def test_writes_to_the_trainers_tensorboard_logger(tmp_path):
                enable_checkpointing=False, logger=pl.loggers.TensorBoardLogger(tmp_path)).fit(TinyNet(), make_loader())
     assert cb.log_dir == os.path.join(tmp_path, "lightning_logs", "version_0")
     scalars, texts = read_events(cb.log_dir)
-    assert scalars["opkit/test/value"] == [(1, 0.0), (2, 1.5), (3, 3.0)]
-    assert "| 1 | 2.500 |" in texts["opkit/test/table"][0][1]
+    assert scalars["opkit/nan/events"] == [(1, 0.0), (2, 1.5), (3, 3.0)]
+    assert "| 1 | 2.500 |" in texts["opkit/profiler/top_ops"][0][1]
 
 
 def test_without_a_logger_writes_under_the_root_dir(tmp_path):
@@ -37,7 +41,27 @@ def test_without_a_logger_writes_under_the_root_dir(tmp_path):
     pl.Trainer(default_root_dir=tmp_path, max_steps=2, callbacks=[cb], enable_progress_bar=False,
                enable_checkpointing=False, logger=False).fit(TinyNet(), make_loader())
     assert cb.log_dir == os.path.join(tmp_path, "opkit")
-    assert read_events(cb.log_dir)[0]["opkit/test/value"] == [(1, 0.0), (2, 1.5)]
+    assert read_events(cb.log_dir)[0]["opkit/nan/events"] == [(1, 0.0), (2, 1.5)]
+
+
+def test_a_tag_the_reference_does_not_list_warns_once(tmp_path):
+    writer = LogWriter(pl.Trainer(logger=False, default_root_dir=str(tmp_path)))
+    with pytest.warns(UnlistedTagWarning, match="scalar 'opkit/nan/evnets'.*core/tags.py does not list"):
+        writer.scalar("opkit/nan/evnets", 1.0, 0)
+    with pytest.warns(UnlistedTagWarning, match="text 'opkit/nan/events'"):  # listed as a scalar, not a text
+        writer.text("opkit/nan/events", "x", 0)
+    writer.scalar("opkit/profiler/matmul/self_ms", 1.0, 0)  # <class> families are listed once
+    writer.close()
+
+
+def test_the_tag_reference_page_is_made_from_the_list_and_each_listed_tag_is_written_somewhere():
+    page = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "tags.md")
+    with open(page) as f:
+        assert f.read() == markdown(), "docs/tags.md is stale: python -m lightning_opkit.core.tags > docs/tags.md"
+    source = "".join(p.read_text() for p in pathlib.Path(os.path.dirname(tags.__file__)).parent.rglob("*.py")
+                     if p.name != "tags.py")
+    for tag in TAGS:  # its last part appears in the code that writes it, as the tag or as a scalar's key
+        assert re.search(rf"[\"/']{re.escape(tag.name.rsplit('/', 1)[1])}[\"']", source), tag.name
 
 
 def test_markdown_table_escapes_pipes():

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
+from lightning_opkit.core import tags
 from lightning_opkit.core.text import markdown_table
 
 __all__ = ["LogWriter", "figure_pixels", "run_log_dir"]
@@ -128,6 +129,7 @@ class LogWriter:
             return
         metrics = {f"{prefix}/{name}": float(value) for name, value in values.items() if value is not None}
         for tag, value in metrics.items():
+            tags.check(tag, "scalar")
             self._writer.add_scalar(tag, value, global_step=step)
         for logger in self.others:
             if metrics:
@@ -143,6 +145,7 @@ class LogWriter:
         """
         if self._writer is None:
             return
+        tags.check(tag, "text")
         self._writer.add_text(tag, markdown, global_step=step)
         for logger in self.others:
             other: Any = logger  # the ways below are not on Lightning's base Logger
@@ -164,6 +167,7 @@ class LogWriter:
         """
         if self._writer is None:
             return
+        tags.check(tag, "image")
         pixels = figure_pixels(figure)
         self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
         for logger in self.others:

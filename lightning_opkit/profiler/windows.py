@@ -138,6 +138,10 @@ class ProfilerWindows(OpkitCallback):
         self.roofline = roofline
         self.memory = memory
         self.memory_snapshot = memory_snapshot
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The state a new callback starts with (what it measured, its windows, the fit it is in)."""
         #: the snapshot written when the fit ran out of memory (``memory_snapshot``, CUDA)
         self.snapshot_file: str | None = None
         self._snapshot = Snapshot()
@@ -145,7 +149,6 @@ class ProfilerWindows(OpkitCallback):
         #: the last window's memory view (``memory=True``)
         self.memory_report: MemoryReport | None = None
         self._probe: MemoryProbe | None = None
-
         self.windows_done = 0
         self.batches_seen = 0
         #: trace exports that failed in this run (unwritable log dir, full disk): warned, logged, training went on
