@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.opkit-installed
 LOGDIR ?= lightning_logs
 
-.PHONY: install test lint typecheck demo bench clean
+.PHONY: install test lint typecheck demo bench docs docs-tags screenshots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,21 @@ demo: $(STAMP)
 	@echo "Open the logs with:"
 	@echo "  $(VENV)/bin/tensorboard --logdir $(LOGDIR)"
 
+# the docs site into docs/_build/html (tests/test_docs.py builds it with warnings as errors)
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "Open docs/_build/html/index.html"
+
+# the tag reference page, from lightning_opkit/core/tags.py (a test fails while it is stale)
+docs-tags: $(STAMP)
+	$(PY) -c "from lightning_opkit.core.tags import markdown; print(markdown(), end='')" > docs/tags.md
+
+# the pictures on the docs pages: trains the example briefly, serves the logs, headless Chromium takes them
+screenshots: $(STAMP)
+	$(PY) docs/screenshots.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py --suite all
 
 clean:
-	rm -rf $(VENV) $(LOGDIR) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LOGDIR) .pytest_cache .ruff_cache .mypy_cache docs/_build

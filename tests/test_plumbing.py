@@ -57,7 +57,7 @@ def test_a_tag_the_reference_does_not_list_warns_once(tmp_path):
 def test_the_tag_reference_page_is_made_from_the_list_and_each_listed_tag_is_written_somewhere():
     page = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "tags.md")
     with open(page) as f:
-        assert f.read() == markdown(), "docs/tags.md is stale: python -m lightning_opkit.core.tags > docs/tags.md"
+        assert f.read() == markdown(), "docs/tags.md is stale: make docs-tags"
     source = "".join(p.read_text() for p in pathlib.Path(os.path.dirname(tags.__file__)).parent.rglob("*.py")
                      if p.name != "tags.py")
     for tag in TAGS:  # its last part appears in the code that writes it, as the tag or as a scalar's key

@@ -4,7 +4,7 @@
 of one it does not hold (the test suite turns that warning into an error), so the reference cannot fall behind the
 code. ``<class>`` stands for an operator class (:mod:`lightning_opkit.opclass`).
 
-    python -m lightning_opkit.core.tags > docs/tags.md
+    make docs-tags      # rewrites docs/tags.md from this list
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ def check(tag: str, kind: str) -> None:
 def markdown() -> str:
     """The tag reference page (``docs/tags.md``), from :data:`TAGS`."""
     lines = ["# TensorBoard tags", "",
-             "Every tag opkit writes, made from `lightning_opkit/core/tags.py` (`python -m lightning_opkit.core.tags >"
-             " docs/tags.md`); the test suite fails on a tag written that is not listed here. `<class>` is an operator"
-             " class ([how it works](how-it-works.md#the-operator-classes)). Scalars go to TensorBoard's Scalars tab"
+             "Every tag opkit writes, made from `lightning_opkit/core/tags.py` (`make docs-tags`); the test suite"
+             " fails on a tag written that is not listed here. `<class>` is an operator class"
+             " ([how it works](how-it-works.md#the-operator-classes)). Scalars go to TensorBoard's Scalars tab"
              " and to the Trainer's other loggers; text to the Text tab (a CSV logger: `.md` files beside its"
              " metrics); images to the Images tab. All are written by global rank zero.", ""]
     area = ""
@@ -197,7 +197,3 @@ def markdown() -> str:
                       "|---|---|---|---|---|"]
         lines.append(f"| `{tag.name}` | {tag.kind} | {tag.unit or '-'} | {tag.when} | {tag.meaning} |")
     return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")
