@@ -144,13 +144,22 @@ def test_recompute_runs_in_the_policys_dtypes_and_the_census_counts_once(tmp_pat
     assert calls == {k: v["calls"] for k, v in plain_policy.census.items()}  # the recompute is not counted again
 
 
-def test_composes_with_regional_torch_compile(tmp_path):
-    compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules="auto", backend="eager")])[1]
-    checkpointing = ActivationCheckpointing(measure=False)
-    _, losses = _fit(tmp_path / "ca", "torch_encoder", [TorchCompile(modules="auto", backend="eager"),
-                                                        checkpointing])
+@pytest.mark.parametrize("order", ["compile first", "checkpointing first", "whole model compiled"])
+def test_composes_with_torch_compile_in_either_order(tmp_path, recwarn, order):
+    modules = None if order == "whole model compiled" else "auto"
+    compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules=modules, backend="eager")])[1]
+    checkpointing, compiler = ActivationCheckpointing(measure_steps=2), TorchCompile(modules=modules, backend="eager")
+    callbacks = [checkpointing, compiler] if order == "checkpointing first" else [compiler, checkpointing]
+    model, losses = _fit(tmp_path / "ca", "torch_encoder", callbacks)
     assert losses == pytest.approx(compiled_losses, rel=1e-5)
     assert checkpointing.checkpointed == ["model.encoder.layers.0", "model.encoder.layers.1"]
+    assert compiler.error is None
+    # the measurement's on/off steps recompile nothing: the checkpoint wraps the compiled blocks from outside (or,
+    # with the whole model compiled, is traced inside it); no recompile-limit warning
+    assert not [w for w in recwarn if "compiled versions" in str(w.message)]
+    assert checkpointing.price is not None
+    assert checkpointing.price.cut >= 0.4
+    assert not [n for n, m in model.named_modules() if "forward" in vars(m)]
 
 
 def test_teardown_after_an_exception_leaves_the_model_as_it_was(tmp_path):

@@ -28,7 +28,7 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     with open(CONFIG) as f:
         config = yaml.safe_load(f)
     names = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
-    assert names == ["PrecisionPolicy", "NaNDetector", "ProfilerWindows", "TorchCompile"]
+    assert names == ["PrecisionPolicy", "NaNDetector", "ProfilerWindows", "ActivationCheckpointing", "TorchCompile"]
     cli = main(["--config", CONFIG, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_epochs", "1",
                 "--trainer.limit_train_batches", "12", "--trainer.limit_val_batches", "2",
                 "--trainer.logger.init_args.save_dir", str(tmp_path),
@@ -38,7 +38,9 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     assert opkit[0].rules == "auto"
     assert opkit[0].modules == {"model.head": "fp32"}
     assert opkit[1].action == "skip"
-    assert opkit[3].backend == "eager"
+    assert opkit[1].spike_zscore == 6.0
+    assert opkit[2].memory
+    assert opkit[4].backend == "eager"
     opkit[2].every_n_steps = 5  # a window inside 12 steps
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 12
@@ -50,6 +52,11 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     assert "opkit/precision/matmul/calls" in scalars
     assert "opkit/profiler/step_time_ms" in scalars
     assert "opkit/compile/compiles" in scalars
+    assert "opkit/memory/activations_mb" in scalars
+    assert opkit[3].checkpointed == [f"model.blocks.{i}" for i in range(4)]
+    assert opkit[3].price is not None
+    assert scalars["opkit/checkpointing/saved_cut"][-1][1] > 0.4  # the blocks hold most of what the step saves
+    assert "opkit/nan/spikes" in scalars
     assert "opkit/precision/policy" in texts
     assert "opkit/precision/decision" in texts
     sensitivity = texts["opkit/precision/sensitivity"][0][1]

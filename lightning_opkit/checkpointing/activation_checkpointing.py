@@ -111,6 +111,7 @@ class ActivationCheckpointing(OpkitCallback):
         #: the measured price, once measured
         self.price: Price | None = None
         self._regions: list[CheckpointedForward] = []
+        self._found: list[tuple[str, torch.nn.Module]] = []
         self._clock = StepClock()
         self._saved: SavedBytes | None = None
         self._counting: Any = None
@@ -142,7 +143,16 @@ class ActivationCheckpointing(OpkitCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._patches:
             return
-        targets = self._targets(pl_module)
+        self._found = self._targets(pl_module)  # a bad glob fails here, before anything runs
+        self._open_writer(trainer, stage)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After every callback's setup: a block TorchCompile compiled is checkpointed from outside (the compiled
+        # forward recomputed in backward), whichever of the two comes first in the callbacks.
+        if self._patches:
+            return
+        targets, self._found = self._found, []
         self._regions = []
         for _, module in targets:
             region = CheckpointedForward(module, module.forward, tuple(self.save or ()))
@@ -151,8 +161,8 @@ class ActivationCheckpointing(OpkitCallback):
         self.checkpointed = [name for name, _ in targets]
         facts_of(trainer).checkpointed.update({name: list(self.save or []) for name in self.checkpointed})
         self._saved = SavedBytes(pl_module)
-        writer = self._open_writer(trainer, stage)
-        writer.table("opkit/checkpointing/config", ["setting", "value"],
+        assert self._writer is not None
+        self._writer.table("opkit/checkpointing/config", ["setting", "value"],
                      [["checkpointed", ", ".join(self.checkpointed)], ["save", ", ".join(self.save or []) or "-"]],
                      trainer.global_step)
 

@@ -117,7 +117,6 @@ class CheckpointedForward:
         self.enabled = True
         #: while measuring: told of every output a selective checkpoint keeps (what it holds besides the inputs)
         self.note_kept: Callable[[Any], None] | None = None
-        self.calls = 0
 
     def _contexts(self) -> tuple[Any, Any]:
         modes = list(_get_current_function_mode_stack())
@@ -132,5 +131,12 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.enabled and torch.is_grad_enabled()) or RECOMPUTING:
             return self.original(*args, **kwargs)
-        self.calls += 1
+        if torch.compiler.is_compiling():
+            # Compiled (TorchCompile attached after this callback): dynamo traces the checkpoint as one region and
+            # recomputes it inside its own backward graph, where no Python runs: a precision policy's casts are in
+            # the graph already, so only the selective policy goes along, in the one form dynamo accepts.
+            if self.policy is None:
+                return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(self.original, *args, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, self.policy), **kwargs)
         return checkpoint(self.original, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
