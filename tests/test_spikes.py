@@ -178,3 +178,49 @@ def test_the_window_is_checkpointed_and_a_resumed_run_goes_on_judging_against_it
     assert spikes["count"] == 40
     assert spikes["judged"] == 20  # judged from its first step on: no second warm-up
     assert spikes["values"][:30] == saved["values"]
+
+
+class Times30InBf16(pl.Callback):
+    """On one batch, multiplies one module's output by 30 whenever it comes out in bf16: a fault of the low precision.
+
+    Unlike :class:`OneTimeTimes30` it fires in every run of that batch, the replays included, and only in bf16, as a
+    batch that overflows a bf16 accumulation would; the same weights on another batch run clean.
+    """
+
+    def __init__(self, path: str, batch: torch.Tensor):
+        self.path, self.batch, self.current = path, batch, None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.handles = [pl_module.model.register_forward_pre_hook(self._seen, with_kwargs=True),
+                        pl_module.model.get_submodule(self.path).register_forward_hook(self._hook)]
+
+    def on_fit_end(self, trainer, pl_module):
+        for handle in self.handles:
+            handle.remove()
+
+    def _seen(self, module, args, kwargs):
+        self.current = args[0] if args else kwargs.get("input_ids")
+
+    def _hook(self, module, args, output):
+        bad = self.current is not None and self.current.shape == self.batch.shape and torch.equal(self.current,
+                                                                                                  self.batch)
+        return output * 30 if bad and output.dtype == torch.bfloat16 else None
+
+
+def test_a_spike_only_in_bf16_is_called_precision_and_its_module_named(tmp_path):
+    from lightning_opkit import PrecisionPolicy
+
+    batches = _pattern(FAULT_STEP + 5)
+    detector = NaNDetector(action="skip", spike_zscore=6.0)
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, check_speed=False, census_every_n_steps=0)
+    model, losses = _fit(tmp_path, "hf_gpt2", batches, detector, policy,
+                         Times30InBf16("transformer.h.0.attn.c_proj", batches[FAULT_STEP]))
+    [event] = detector.events
+    assert (event["kind"], event["step"], event["cause"]) == ("spike", FAULT_STEP, "precision"), event
+    assert "transformer.h.0.attn" in (event["module"] or ""), event
+    # and repaired as a precision NaN is: the module it starts in runs in fp32 from the next step on
+    assert event["repair"] is not None
+    assert event["repair"].startswith(event["module"]), event["repair"]
+    assert any("repaired (pinned to fp32" in line for line in detector.summary_lines())
+    assert losses[FAULT_STEP] > 10 * losses[FAULT_STEP - 1]
+    assert max(losses[FAULT_STEP + 1:]) < 10 * losses[FAULT_STEP - 1]  # skipped: the bad update never happened
