@@ -198,3 +198,23 @@ def test_a_model_without_blocks_is_told_to_name_them(tmp_path):
 
 
 assert CASES  # the zoo is importable here
+
+
+def test_a_recompute_runs_the_code_its_forward_ran_in_speed_trials_and_census_steps(tmp_path):
+    # TorchCompile's speed trial runs some calls eagerly, and a census step runs the step under a forced eager stance
+    # that ends before backward: the checkpoint's recompute must run eager code there too (aot_eager saves other
+    # tensors than eager code does, and the checkpoint checks that it saved the same)
+    def callbacks(checkpointing):
+        return [PrecisionPolicy(census_every_n_steps=2, check_speed=False),
+                *([ActivationCheckpointing(measure=False)] if checkpointing else []),
+                TorchCompile(modules="auto", backend="aot_eager")]
+
+    without = callbacks(False)
+    _, plain = _fit(tmp_path / "c", "torch_encoder", without, steps=16)
+    first = callbacks(True)
+    _, losses = _fit(tmp_path / "ca", "torch_encoder", first, steps=16)
+    assert losses == pytest.approx(plain, rel=1e-5)
+    # and the recompute compiles nothing of its own (the policy's mode, traced in, must not guard on it)
+    assert first[2].watch.compiles == without[1].watch.compiles
+    assert first[2].regions["model.encoder.layers.0"].speedup is not None  # the trial ran, eager calls included
+    assert first[0].census  # census steps ran

@@ -7,6 +7,7 @@ and once, if asked, eager against compiled time (:class:`SpeedTrial`: on the reg
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import statistics
 from collections.abc import Callable
@@ -98,6 +99,8 @@ def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list
 
 #: compiled counts as slower when eager / compiled time is below 1 / (1 + SLOWER): beyond the noise of the medians
 SLOWER = 0.10
+#: calls of a region remembered for an activation checkpoint's recompute (a block called this often in one step)
+_REMEMBERED = 1024
 
 
 @dataclass
@@ -143,13 +146,22 @@ class CompiledForward:
         self.watch, self.hooks = watch, hooks
         self.device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
         self.trial = SpeedTrial() if hooks.speedup or hooks.eager_if_slower else None
+        #: whether each recent call that autograd may recompute ran eagerly, newest last (an activation checkpoint
+        #: recomputes in backward, newest first, and must run the code its forward ran: it checks it saved the same)
+        self._eager_calls: collections.deque[bool] = collections.deque(maxlen=_REMEMBERED)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if RECOMPUTING.depth and self._eager_calls:
+            return self._again(args, kwargs)
         region, watch = self.region, self.watch
         region.calls += 1
         recompiles = len(watch.recompile_reasons)
         watch.region = region
         timed = self._trial_slot()
+        if torch.is_grad_enabled() and not RECOMPUTING.depth:
+            # the speed trial's eager half, and a census or replay step's forced eager stance, which ends before
+            # backward's recompute
+            self._eager_calls.append(timed == "eager" or stance() == "force_eager")
         try:
             with self._span():
                 out = self._timed(timed, args, kwargs)
@@ -165,6 +177,10 @@ class CompiledForward:
         if self.trial is not None and self.trial.done and region.speedup is None:
             self._decide(self.trial.speedup())
         return out
+
+    def _again(self, args: tuple, kwargs: dict) -> Any:
+        """A checkpoint's recompute: the code this call's forward ran, eager or compiled, neither timed nor counted."""
+        return self.original(*args, **kwargs) if self._eager_calls.pop() else self._run(args, kwargs)
 
     def _trial_slot(self) -> str | None:
         """This call's part in the speed trial: not a replay's or a census step's (a forced eager stance)."""

@@ -154,7 +154,9 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **kwargs)  # the user turned autocast off here: their code runs as written
         dtype = stack[-1] if stack else state.class_dtypes[cls]
         given_args, given_kwargs = args, kwargs  # what the caller passed: the census recomputes from it
-        census = state.census if not RECOMPUTING.depth else None  # an activation checkpoint's recompute: counted once
+        census = state.census
+        if census is not None and RECOMPUTING.depth:  # an activation checkpoint's recompute: counted once
+            census = None  # (read only on a census step, which runs eagerly: compiled code never guards on it)
         rng = rng_state() if not compiling and census is not None else None  # census steps only
         if dtype is None or inplace or "out" in kwargs:
             out = func(*args, **kwargs)
