@@ -8,7 +8,7 @@ import torch
 from helpers import read_events, read_images
 from zoo import ZooModule, build
 
-from lightning_opkit import ProfilerWindows
+from lightning_opkit import NaNDetector, ProfilerWindows
 
 
 def _independent(model, batch, blocks):
@@ -107,7 +107,8 @@ def test_out_of_memory_prints_the_last_windows_memory_and_the_lever(tmp_path, ca
     model = RunsOutOfMemory("hf_gpt2", at=4)
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=memory, memory_snapshot=True,
                               export_trace=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[windows], enable_progress_bar=False,
+    # NaNDetector first: the summary is written by the first opkit callback, before ProfilerWindows' own on_exception
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[NaNDetector(), windows], enable_progress_bar=False,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path),
                          logger=pl.loggers.TensorBoardLogger(str(tmp_path)))
     with pytest.warns(UserWarning, match="memory_snapshot=True.* records CUDA allocations; this run is on cpu"), \

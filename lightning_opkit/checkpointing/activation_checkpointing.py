@@ -180,7 +180,7 @@ class ActivationCheckpointing(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._stop_counting()
-        self._regions = []
+        self._regions, self._found = [], []
 
     # the measurement: warm-up, then without, with, without, with, ...
 

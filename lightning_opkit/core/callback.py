@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_opkit.core.kit import HearsOfFailure, offering
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.summary import end_summary, start_summary
@@ -82,6 +83,8 @@ class OpkitCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        for member in offering(trainer, HearsOfFailure):  # the first callback writes the summary: all know first
+            member.ended_by(trainer, exception)
         self._wind_down(trainer, pl_module)
         end_summary(self, trainer, self._writer, exception)
         self._detach(trainer, pl_module)

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 from torch import nn
 
-__all__ = ["CompilesRegions", "Member", "PinsModules", "RunsModulesInDtype", "members", "offering"]
+__all__ = ["CompilesRegions", "HearsOfFailure", "Member", "PinsModules", "RunsModulesInDtype", "members", "offering"]
 
 
 @runtime_checkable
@@ -43,6 +43,15 @@ class PinsModules(Protocol):
 
     def pin(self, name: str, module: nn.Module, dtype: str) -> None:
         """Every op inside ``module`` (at path ``name``) runs in ``dtype`` from now on, until teardown."""
+        ...
+
+
+@runtime_checkable
+class HearsOfFailure(Protocol):
+    """Told what ended a fit by an exception, on every rank, before any callback writes the run summary."""
+
+    def ended_by(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        """``trainer``'s fit failed with ``exception`` (heard once per opkit callback: it must be idempotent)."""
         ...
 
 

@@ -211,13 +211,12 @@ class ProfilerWindows(OpkitCallback):
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._snapshot.stop()
 
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def ended_by(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        """The fit failed: out of memory, the summary says where it went, and a CUDA snapshot is written once."""
         self._out_of_memory = out_of_memory(exception)
-        if self._out_of_memory and self._snapshot.recording:
+        if self._out_of_memory and self._snapshot.recording and self.snapshot_file is None:
             self.snapshot_file = self._snapshot.dump(os.path.join(
                 self._trace_dir, f"memory_snapshot.rank{trainer.global_rank}.{trainer.global_step}.pickle"))
-        super().on_exception(trainer, pl_module, exception)
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The op-class charts, and the roofline's where this callback draws one (empty charts are clutter)."""
