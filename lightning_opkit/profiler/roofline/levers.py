@@ -53,7 +53,11 @@ def precision_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, s
     cls = row.op_class
     speed = facts.speed(cls)
     if cls in facts.dtypes:  # a precision policy decides it, and runs it in fp32
-        evidence = speed.phrase() if speed is not None else facts.kept_fp32.get(cls, "its rules")
+        why = facts.kept_fp32.get(cls)
+        if speed is not None and speed.faster and why:  # faster alone, slower in the step: the step decided
+            evidence = f"{why}; alone, {speed.phrase()}"
+        else:
+            evidence = speed.phrase() if speed is not None else why or "its rules"
         return False, f"kept in fp32 by the precision policy ({evidence}): no precision lever"
     if speed is None:
         return None
