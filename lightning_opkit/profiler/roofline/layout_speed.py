@@ -94,10 +94,13 @@ def _seconds(shapes: list[list[int]], arguments: list[Any], dtype: str, device: 
     if key not in _TIMES:
         try:
             run = _step(shapes, arguments, BY_NAME[dtype], device, channels_last)
-        except (RuntimeError, TypeError, ValueError, KeyError):  # arguments the profiler recorded in another form
+            one = best_seconds(run, device, reps=1)
+            calls = max(1, min(20, int(2e-3 / max(one, 1e-7))))
+            _TIMES[key] = min(one, best_seconds(run, device, reps=3, calls=calls))
+        except (RuntimeError, TypeError, ValueError, KeyError):
+            # arguments the profiler recorded in another form, a layout this device's library refuses, or no memory
+            # left beside the model: no fact, and the roofline goes on without it
             return None
-        one = best_seconds(run, device, reps=1)
-        _TIMES[key] = min(one, best_seconds(run, device, reps=3, calls=max(1, min(20, int(2e-3 / max(one, 1e-7))))))
     return _TIMES[key]
 
 
