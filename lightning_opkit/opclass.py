@@ -207,7 +207,9 @@ _MODULE_TYPES: tuple[tuple[tuple[type[nn.Module], ...], str], ...] = (
 # Autograd nodes in profiler traces are CamelCase with a version suffix: ``NativeLayerNormBackward0``.
 _AUTOGRAD_NODE = re.compile(r"^(?:autograd::engine::evaluate_function: )?([A-Za-z0-9]+?)Backward\d*$")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_SUFFIXES = ("_backward_data", "_backward_input", "_backward_weight", "_backward", "_forward", "_out")
+# a library's "<op>_fallback" is that op by another implementation (transformers' grouped_mm_fallback, which it runs
+# under torch.compile for fp32 weights)
+_SUFFIXES = ("_backward_data", "_backward_input", "_backward_weight", "_backward", "_forward", "_out", "_fallback")
 
 
 def _normalize(name: str) -> str:
@@ -231,9 +233,9 @@ def _classify_plain(name: str) -> str:
     if cls is not None:
         return cls
     for suffix in _SUFFIXES:
-        if base.endswith(suffix):
-            cls = _NAME_TO_CLASS.get(base[: -len(suffix)])
-            if cls is not None:
+        if base.endswith(suffix) and len(base) > len(suffix):
+            cls = _classify_plain(base[: -len(suffix)])  # suffixes stack: grouped_mm_fallback_backward
+            if cls != "other":
                 return cls
     if base.startswith("_foreach_"):
         return _NAME_TO_CLASS.get(base[len("_foreach_") :], "other")

@@ -99,3 +99,15 @@ def test_an_expert_no_token_is_routed_to_is_named_by_its_index(tmp_path):
 def test_dead_after_must_be_a_positive_count(value):
     with pytest.raises(ValueError, match="dead_after"):
         NaNDetector(dead_after=value)
+
+
+def test_the_grouped_gemm_transformers_runs_under_torch_compile_is_matmul_too():
+    # Under dynamo, transformers swaps torch._grouped_mm for its own custom op when the weights are not bf16: a policy
+    # that left it in `other` ran the experts in fp32 compiled and in bf16 eager (the zoo's compiled-policy test on
+    # this model caught it: losses 5e-6 apart after one step)
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.*)
+
+    assert classify_function(torch.ops.transformers.grouped_mm_fallback) == "matmul"
+    assert classify_function(torch.ops.transformers.grouped_mm_fallback.default) == "matmul"
+    assert classify_profiler_event("transformers::grouped_mm_fallback") == "matmul"
+    assert classify_profiler_event("transformers::_grouped_mm_fallback_backward") == "matmul"

@@ -204,6 +204,13 @@ def _hf_lm_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return _lm_loss(model(input_ids=ids).logits.float(), ids)
 
 
+#: a Mixture-of-Experts model: a tiny Mixtral, its experts' GEMMs grouped (one of CASES)
+MOE = Case("hf_mixtral", _mixtral, _tokens, lambda m, b: _hf_lm_loss(m, b),
+           deep="model.layers.1.mlp.experts", param="model.layers.0.mlp.experts.gate_up_proj",
+           blocks="model.layers.*", gemm="model.layers.0.self_attn.q_proj", norm="model.layers.0.input_layernorm",
+           override="model.layers.1.self_attn.o_proj")
+
+
 CASES: dict[str, Case] = {
     case.name: case
     for case in (
@@ -230,15 +237,9 @@ CASES: dict[str, Case] = {
              deep="bert.encoder.layer.1.intermediate.dense", param="bert.encoder.layer.0.attention.self.query.weight",
              blocks="bert.encoder.layer.*", gemm="bert.encoder.layer.0.output.dense",
              norm="bert.encoder.layer.0.output.LayerNorm", override="bert.encoder.layer.1.output.dense"),
+        MOE,
     )
 }
-
-
-#: a Mixture-of-Experts model, apart from CASES (the features' zoo-wide tests do not run it yet)
-MOE = Case("hf_mixtral", _mixtral, _tokens, lambda m, b: _hf_lm_loss(m, b),
-           deep="model.layers.1.mlp.experts", param="model.layers.0.mlp.experts.gate_up_proj",
-           blocks="model.layers.*", gemm="model.layers.0.self_attn.q_proj", norm="model.layers.0.input_layernorm",
-           override="model.layers.1.self_attn.o_proj")
 
 
 class _PoisonGrad(torch.autograd.Function):
