@@ -56,3 +56,18 @@ def test_the_readme_stays_short_and_points_into_the_docs():
     assert len(readme.splitlines()) <= 250
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert os.path.exists(ROOT / link), link
+
+
+def test_every_argument_of_every_callback_is_documented():
+    # the callback pages' Arguments sections are generated from these docstrings: an argument missing here is missing
+    # there
+    import inspect
+
+    import lightning_opkit as opkit
+
+    for cls in (opkit.PrecisionPolicy, opkit.NaNDetector, opkit.ProfilerWindows, opkit.TorchCompile,
+                opkit.ActivationCheckpointing):
+        documented = cls.__doc__[cls.__doc__.index("Args:"):]
+        for name in inspect.signature(cls.__init__).parameters:
+            if name != "self":
+                assert re.search(rf"^\s+{name}( \(|:)", documented, re.M), f"{cls.__name__}({name}=...)"
