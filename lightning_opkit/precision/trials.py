@@ -1,7 +1,7 @@
 """Trials: the contender tables timed on the first real training steps, round robin, and the fastest kept.
 
 The whole-step candidates run on the first rows of a batch, where the activations fit in cache: there a table that
-casts between classes looks cheaper than it is on the full batch (on the GPT-2-style LM of the README one row put
+casts between classes looks cheaper than it is on the full batch (on the GPT-2-style LM of the benchmarks one row put
 such a table within 7% of the fastest; the full batch, 36% behind). So the contenders (within tolerance, and close
 to the fastest on those rows) are confirmed on the next real training steps: each runs a step in turn, in the order
 A B C C B A (drift hits them alike), and the table with the fastest step trains on: the best of each contender's
