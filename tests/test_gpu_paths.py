@@ -2,6 +2,8 @@
 annotations on the device's timeline) fed through the real aggregation, fp16 gradients, the ``fp32_precision`` API,
 device names for the datasheet. Each test is one defect a reading of the CUDA paths found."""
 
+import os
+
 import pytest
 import torch
 from torch.autograd import DeviceType
@@ -237,3 +239,14 @@ def test_the_loss_kept_for_the_check_is_a_copy_of_the_steps(tmp_path):
     loss, kept = seen[0]
     assert kept.data_ptr() != loss.data_ptr()
     assert torch.equal(kept, loss.detach())
+
+
+def test_the_gpu_checks_refuse_to_pass_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "gpu_checks.py")
+    done = subprocess.run([sys.executable, script, "--report", str(tmp_path / "report.md")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1
+    assert "FAIL: no CUDA device here; these checks need a GPU and nothing was checked" in done.stdout
