@@ -1,4 +1,4 @@
-"""Run by test_spikes.py: 2-process CPU DDP (gloo); only rank 1's batch at one step is random tokens (a spike)."""
+"""Run by test_spikes.py: 2 CPU processes (gloo), DDP or FSDP2; only rank 1's batch at one step is random tokens."""
 
 import json
 import os
@@ -9,10 +9,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from test_spikes import FAULT_STEP, Losses, Steady, _loader, _pattern  # noqa: E402
 from zoo import CASES, SEQ, VOCAB  # noqa: E402
 
 from lightning_opkit import NaNDetector  # noqa: E402
+
+
+def _full(tensor):
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class PerRank(Steady):
@@ -25,21 +31,37 @@ class PerRank(Steady):
         return _loader(clean)
 
 
+class ShardedPerRank(PerRank):
+    """The same under FSDP2: each encoder layer and the root fully_shard'ed (ModelParallelStrategy)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        from lightning_opkit import find_blocks
+
+        mesh = self.device_mesh["data_parallel"]
+        for name in find_blocks(self):
+            fully_shard(self.get_submodule(name), mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 if __name__ == "__main__":
-    out = sys.argv[1]
+    out, fsdp2 = sys.argv[1], sys.argv[2] == "fsdp2"
     detector, losses = NaNDetector(action="skip", spike_zscore=6.0), Losses()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=FAULT_STEP + 6, logger=False,
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp2 else "ddp"
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=FAULT_STEP + 6, logger=False,
                          callbacks=[detector, losses], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False)
     torch.manual_seed(0)
-    model = PerRank(CASES["torch_encoder"])
+    model = (ShardedPerRank if fsdp2 else PerRank)(CASES["torch_encoder"])
     trainer.fit(model)
     result = {
         "events": [{k: e[k] for k in ("step", "kind", "rank", "batch_idx", "module", "cause", "advice", "zscore",
                                       "top_parameters")} for e in detector.events],
         "skipped": detector.skipped_steps,
         "losses": losses.losses,
-        "weights": [float(v) for v in model.model.head.weight.detach().flatten()[:16]],
+        # the full weights (FSDP2: every rank's shards gathered), to compare the ranks' models
+        "weights": [float(v) for v in _full(model.model.head.weight).flatten()[:16]],
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

@@ -145,10 +145,11 @@ def test_no_false_alarm_over_a_healthy_run(tmp_path, name):
     print(f"{name}: highest z of a good step: loss {spikes['highest'][0]:.2f}, grad {spikes['highest'][1]:.2f}")
 
 
-def test_under_ddp_a_spike_on_one_rank_is_skipped_by_both_with_the_same_report(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_under_ddp_a_spike_on_one_rank_is_skipped_by_both_with_the_same_report(tmp_path, strategy):
     from test_ddp import run_two_ranks
 
-    r0, r1 = run_two_ranks(os.path.join(os.path.dirname(__file__), "ddp_spike_script.py"), tmp_path, "-")
+    r0, r1 = run_two_ranks(os.path.join(os.path.dirname(__file__), "ddp_spike_script.py"), tmp_path, strategy)
     assert r0["events"] == r1["events"]
     [event] = r0["events"]
     assert (event["step"], event["kind"], event["rank"], event["cause"]) == (FAULT_STEP, "spike", 1, "data_or_model")
