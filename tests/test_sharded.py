@@ -16,7 +16,7 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
 FSDP_RUNS = ["plain", "nan-skip", "nan-raise", "nan-shard", "precision", "auto", "profiler", "compile",
              "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
-TP_RUNS = ["plain", "nan-skip", "auto", "all4"]
+TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
 
@@ -86,6 +86,21 @@ def test_all_four_together(runs, layout):
         # compiled in place, the modules keep their hooks, and nothing of opkit's is left
         assert r["hooks_left"] == runs[layout]["plain"][0]["hooks_left"]
     _same_full_weights(r0["weights"], r1["weights"], exact=layout == "fsdp")
+
+
+def test_all_five_under_tensor_parallel(runs):
+    # all4 under TP, every block also checkpointed (recomputed in backward on DTensor activations) and the memory view
+    # on: the same fault named and skipped alike, the same weights as without checkpointing, nothing left behind
+    all4 = runs["tp"]["all4"]
+    r0, r1 = runs["tp"]["all5"]
+    for r, same in zip((r0, r1), all4, strict=True):
+        assert r["outcome"] == "finished"
+        assert r["events"] == same["events"] == [POISON]
+        assert r["checkpointed"] == ["blocks.0", "blocks.1", "blocks.2"]
+        assert r["saved_cut"] > 0
+        assert r["hooks_left"] == runs["tp"]["plain"][0]["hooks_left"]
+        _same_full_weights(r["weights"], same["weights"], exact=False)
+    _same_full_weights(r0["weights"], r1["weights"], exact=False)
 
 
 def test_fsdp2_mixed_precision_keeps_the_policy_rules(runs):
