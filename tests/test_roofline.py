@@ -443,7 +443,7 @@ def test_the_roofline_times_the_zoo_cnns_convolutions_in_both_layouts(tmp_path, 
     assert fact.current == layout
     assert fact.source == "measured by the roofline in window 1"
     # the zoo CNN's own convolutions as recorded: the 3->8 stem and the 8->8 blocks on its 8x3x16x16 images
-    assert "costliest conv shapes" in fact.shapes, fact.shapes
+    assert "costliest conv shape" in fact.shapes, fact.shapes
     assert "8x8x3x3" in fact.shapes, fact.shapes
     assert 0 < fact.ratio < 100
     roofline = windows.last_roofline

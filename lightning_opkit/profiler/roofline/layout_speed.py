@@ -139,5 +139,6 @@ def conv_layout_speed(prof: Any, device: torch.device | str, window: int, curren
     if not timed or contiguous_total <= 0:
         return None
     return LayoutFact("conv", channels_last_total / contiguous_total, current,
-                      f"this model's {len(timed)} costliest conv shapes ({', '.join(timed)})",
+                      f"this model's {len(timed)} costliest conv shapes ({', '.join(timed)})" if len(timed) > 1 else
+                      f"this model's costliest conv shape ({timed[0]})",
                       f"measured by the roofline in window {window}")
