@@ -1,10 +1,11 @@
-"""Screenshots of what a user sees in TensorBoard, for the README: custom scalars, op-class and roofline views.
+"""Screenshots of what a user sees in TensorBoard, for the docs: custom scalars, op-class, roofline and memory views.
 
-Trains the example ViT briefly with all four callbacks (eager compile backend, so it takes well under a minute on
-CPU), serves the logs with TensorBoard on 127.0.0.1, and has headless Chromium (Debian's ``chromium-headless-shell``)
-save the pages as PNGs in ``docs/``.
+Trains the example ViT briefly with the callbacks of ``examples/config.yaml`` but ActivationCheckpointing (eager
+compile backend, so it takes well under a minute on CPU), writes two pictures the run logged (the roofline and the memory view by block) as
+they sit in the event files, serves the logs with TensorBoard on 127.0.0.1, and has headless Chromium (Debian's
+``chromium-headless-shell``) save the pages as PNGs in ``docs/``.
 
-    python docs/screenshots.py
+    make screenshots      # or: python docs/screenshots.py
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ sys.path.insert(0, ROOT)
 
 PAGES = {"custom_scalars.png": "#custom_scalars", "op_classes.png": "#text&tagFilter=op_classes",
          "sensitivity.png": "#text&tagFilter=precision/sensitivity",
-         "roofline_table.png": "#text&tagFilter=profiler/roofline", "roofline_plot.png": "#images&tagFilter=roofline"}
+         "roofline_table.png": "#text&tagFilter=profiler/roofline", "roofline_plot.png": "#images&tagFilter=roofline",
+         "memory_modules.png": "#text&tagFilter=memory/modules"}
 
 
 def train(log_dir: str) -> None:
@@ -35,6 +37,9 @@ def train(log_dir: str) -> None:
                 "--trainer.limit_train_batches", "60", "--trainer.limit_val_batches", "2",
                 "--trainer.logger.init_args.save_dir", log_dir, "--trainer.enable_progress_bar", "false",
                 "--trainer.callbacks.init_args.backend", "eager"], run=False)
+    # without activation checkpointing, so that the memory view shows what the blocks hold and what checkpointing
+    # them would free
+    cli.trainer.callbacks = [c for c in cli.trainer.callbacks if type(c).__name__ != "ActivationCheckpointing"]
     for callback in cli.trainer.callbacks:
         if type(callback).__name__ == "ProfilerWindows":
             callback.every_n_steps = 12  # a window (steps 13-15) inside the 23-batch epoch, clear of its last batch
@@ -74,6 +79,7 @@ def main() -> None:
     log_dir = tempfile.mkdtemp()
     train(log_dir)
     save_logged_picture(log_dir, "opkit/profiler/roofline_plot", os.path.join(ROOT, "docs", "roofline_example.png"))
+    save_logged_picture(log_dir, "opkit/memory/blocks", os.path.join(ROOT, "docs", "memory_blocks.png"))
     port = free_port()
     board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1",
                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
