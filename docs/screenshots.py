@@ -1,9 +1,9 @@
 """Screenshots of what a user sees in TensorBoard, for the docs: custom scalars, op-class, roofline and memory views.
 
 Trains the example ViT briefly with the callbacks of ``examples/config.yaml`` but ActivationCheckpointing (eager
-compile backend, so it takes well under a minute on CPU), writes two pictures the run logged (the roofline and the memory view by block) as
-they sit in the event files, serves the logs with TensorBoard on 127.0.0.1, and has headless Chromium (Debian's
-``chromium-headless-shell``) save the pages as PNGs in ``docs/``.
+compile backend, so it takes well under a minute on CPU), writes two pictures the run logged (the roofline and the
+memory view by block) as they sit in the event files, serves the logs with TensorBoard on 127.0.0.1, and has headless
+Chromium (Debian's ``chromium-headless-shell``) save the pages as PNGs in ``docs/``.
 
     make screenshots      # or: python docs/screenshots.py
 """
