@@ -12,6 +12,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_opkit.core.text import times_phrase
+
 __all__ = ["LayoutFact", "RunFacts", "SpeedFact", "facts_of", "new_facts"]
 
 
@@ -45,8 +47,7 @@ class SpeedFact:
             >>> SpeedFact("matmul", "bf16", 0.5, "3 GEMM shapes", "the roofline, window 1").phrase()
             'bf16 measured 2.00x faster than fp32 at 3 GEMM shapes (the roofline, window 1)'
         """
-        how = f"{1 / self.ratio:.2f}x faster" if self.faster else f"{self.ratio:.2f}x slower"
-        return f"{self.dtype} measured {how} than fp32 at {self.shapes} ({self.source})"
+        return f"{self.dtype} measured {times_phrase(self.ratio)} than fp32 at {self.shapes} ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ class LayoutFact:
             >>> LayoutFact("conv", 0.5, "contiguous", "2 shapes", "window 1").phrase()
             'channels_last measured 2.00x faster than contiguous (forward and backward) at 2 shapes (window 1)'
         """
-        how = f"{1 / self.ratio:.2f}x faster" if self.ratio < 1 else f"{self.ratio:.2f}x slower"
-        return f"channels_last measured {how} than contiguous (forward and backward) at {self.shapes} ({self.source})"
+        return (f"channels_last measured {times_phrase(self.ratio)} than contiguous (forward and backward) at"
+                f" {self.shapes} ({self.source})")
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["describe_error", "markdown_table"]
+__all__ = ["describe_error", "markdown_table", "times_phrase"]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -29,6 +29,16 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def times_phrase(ratio: float) -> str:
+    """A measured time over a reference time in words: ``"1.80x faster"`` below 1, ``"2.17x slower"`` from 1 on.
+
+    Example:
+        >>> times_phrase(0.5), times_phrase(2.17)
+        ('2.00x faster', '2.17x slower')
+    """
+    return f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
 
 
 def _fixed(value: float) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepClock", "best_seconds", "per_call_seconds", "sync"]
+__all__ = ["StepClock", "best_seconds", "filled_seconds", "per_call_seconds", "sync"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -80,6 +80,25 @@ def best_seconds(fn: Callable[[], Any], device: torch.device | str, reps: int = 
     for _ in range(reps):
         best = min(best, per_call_seconds(fn, device, calls))
     return best
+
+
+def filled_seconds(fn: Callable[[], Any], device: torch.device | str, fill_s: float) -> float:
+    """Seconds per call of ``fn``: one call timed, then the best of 3 samples of as many calls as fill ``fill_s``.
+
+    Back-to-back calls keep a GPU's queue full, so a short op is not timed by its launch (at most 20 calls a sample).
+
+    Args:
+        fn: what to time.
+        device: where it runs.
+        fill_s: about how long a sample should take.
+
+    Example:
+        >>> filled_seconds(lambda: torch.ones(64, 64) @ torch.ones(64, 64), "cpu", fill_s=1e-3) > 0
+        True
+    """
+    one = best_seconds(fn, device, reps=1)
+    calls = max(1, min(20, int(fill_s / max(one, 1e-7))))
+    return min(one, best_seconds(fn, device, reps=3, calls=calls))
 
 
 class StepClock:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.text import markdown_table, times_phrase
 from lightning_opkit.opclass import OP_CLASSES
 
 __all__ = ["Measurement", "PrecisionMeasurements", "speed_phrase"]
@@ -99,4 +99,4 @@ def speed_phrase(row: Measurement) -> str:
         return f"failed: {row.failed}"
     if row.speed is None:
         return "-"
-    return f"{1 / row.speed:.2f}x faster" if row.speed < 1 else f"{row.speed:.2f}x slower"
+    return times_phrase(row.speed)

@@ -16,7 +16,7 @@ import torch
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import SpeedFact
-from lightning_opkit.core.timing import best_seconds
+from lightning_opkit.core.timing import filled_seconds
 
 __all__ = ["gemm_speed"]
 
@@ -50,9 +50,7 @@ def _seconds(op: str, shapes: list[list[int]], device: torch.device, dtype: torc
         operands = _operands(op, shapes, device)
         if operands is None:
             return None
-        run = _call(op, operands, dtype)
-        one = best_seconds(run, device, reps=1)
-        _TIMES[key] = min(one, best_seconds(run, device, reps=3, calls=max(1, min(20, int(2e-3 / max(one, 1e-7))))))
+        _TIMES[key] = filled_seconds(_call(op, operands, dtype), device, fill_s=2e-3)
     return _TIMES[key]
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import LayoutFact
-from lightning_opkit.core.timing import best_seconds
+from lightning_opkit.core.timing import filled_seconds
 
 __all__ = ["conv_layout", "conv_layout_speed"]
 
@@ -93,10 +93,8 @@ def _seconds(shapes: list[list[int]], arguments: list[Any], dtype: str, device: 
     key = (str(device), str(shapes), str(arguments), dtype, channels_last)
     if key not in _TIMES:
         try:
-            run = _step(shapes, arguments, BY_NAME[dtype], device, channels_last)
-            one = best_seconds(run, device, reps=1)
-            calls = max(1, min(20, int(2e-3 / max(one, 1e-7))))
-            _TIMES[key] = min(one, best_seconds(run, device, reps=3, calls=calls))
+            _TIMES[key] = filled_seconds(_step(shapes, arguments, BY_NAME[dtype], device, channels_last), device,
+                                         fill_s=2e-3)
         except (RuntimeError, TypeError, ValueError, KeyError):
             # arguments the profiler recorded in another form, a layout this device's library refuses, or no memory
             # left beside the model: no fact, and the roofline goes on without it

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_opkit.core.dtypes import BY_NAME
-from lightning_opkit.core.timing import best_seconds
+from lightning_opkit.core.timing import best_seconds, filled_seconds
 
 __all__ = ["Peaks", "datasheet", "datasheet_peaks", "measure_link", "measure_peaks", "tf32_matmuls"]
 
@@ -121,9 +121,7 @@ def _gemm_peak(device: torch.device, dtype: str, n: int | None) -> tuple[float, 
     while True:
         a = torch.randn(size, size, device=device).to(BY_NAME[dtype])
         gemm = functools.partial(torch.matmul, a, a)
-        one = best_seconds(gemm, device, reps=1)
-        calls = max(1, min(20, int(0.01 / max(one, 1e-6))))
-        seconds = min(one, best_seconds(gemm, device, reps=3, calls=calls))
+        seconds = filled_seconds(gemm, device, fill_s=0.01)
         best = max(best, (2 * size**3 / seconds / 1e12, size))
         del a, gemm
         if size >= cap or seconds > 0.02:
