@@ -21,9 +21,10 @@ can be (the exported Chrome trace, CUDA's sync debug mode, the datasheet):
 4. ``auto``: ``rules="auto"`` on a d_model=1024 LM under 32-true runs its GEMMs in bf16 (op timings are N calls
    between CUDA events, not one op between two syncs, which measured launch latency and kept fp32).
 5. ``one sync``: a NaN-checked step adds exactly one host synchronization (``torch.cuda.set_sync_debug_mode``), and
-   what that costs per step, measured.
+   with ``decide="device"`` none; what each costs per step, measured side by side (the stall of the one sync).
 6. ``16-true``: finite fp16 gradients whose norm passes 65504 raise nothing.
-7. ``NaN named``: a NaN written into one module's output is named there under bf16-mixed and 16-mixed.
+7. ``NaN named``: a NaN written into one module's output is named there under bf16-mixed and 16-mixed, and with
+   ``decide="device"`` (its update left out by the fused AdamW on the device, the weights unchanged).
 8. ``fp16 + GradScaler``: a fp16 matmul policy under 16-mixed trains finite, with its census.
 9. ``cudagraphs``: ``TorchCompile(mode="reduce-overhead")`` with ``NaNDetector`` trains without falling back, no
    false event.
@@ -276,22 +277,27 @@ class SyncCount(pl.Callback):
 
 
 def check_one_sync(c: Check, root: str) -> None:
-    """Check 5: a NaN-checked step adds exactly one host sync; its cost per step."""
+    """Check 5: a NaN-checked step adds exactly one host sync, none with decide="device"; the cost of each per step."""
     runs: dict[str, SyncCount] = {}
-    for name in ("without", "with", "without again", "with again"):
+    detectors: dict[str, Callable[[], list[pl.Callback]]] = {
+        "without": list, "host": lambda: [NaNDetector(action="skip")],
+        "device": lambda: [NaNDetector(action="skip", decide="device")]}
+    for name in ("without", "host", "device", "without again", "host again", "device again"):
         counter = SyncCount(start=3)
-        cbs: list[pl.Callback] = [counter] + ([] if name.startswith("without") else [NaNDetector(action="skip")])
+        cbs = [counter, *detectors[name.split()[0]]()]
         fit(LM(d=1024, layers=4, heads=16, seq=512, batch=8), cbs, 13, os.path.join(root, name), precision="bf16-mixed")
         runs[name] = counter
     per_step = {n: r.syncs / max(r.steps, 1) for n, r in runs.items()}
-    c.note("host syncs per step: " + ", ".join(f"{n} NaNDetector {v:.2f}" for n, v in per_step.items()))
-    added = per_step["with"] - per_step["without"]
-    c.expect(added == 1.0 and per_step["with again"] - per_step["without again"] == 1.0,
-             f"a checked step adds exactly one host sync ({added:.2f})")
-    without = statistics.median(runs["without"].ms + runs["without again"].ms)
-    with_ = statistics.median(runs["with"].ms + runs["with again"].ms)
-    c.note(f"d_model 1024 LM, bf16-mixed, fused AdamW: median step {without:.2f} ms without, {with_:.2f} ms with"
-           f" NaNDetector ({with_ / without:.3f}x)")
+    c.note("host syncs per step: " + ", ".join(f"{n} {v:.2f}" for n, v in per_step.items()))
+    added = {kind: [per_step[f"{kind}{again}"] - per_step[f"without{again}"] for again in ("", " again")]
+             for kind in ("host", "device")}
+    c.expect(added["host"] == [1.0, 1.0], f"decide='host': a checked step adds exactly one host sync {added['host']}")
+    c.expect(added["device"] == [0.0, 0.0], f"decide='device': a checked step adds no host sync {added['device']}")
+    median = {kind: statistics.median(runs[kind].ms + runs[f"{kind} again"].ms)
+              for kind in ("without", "host", "device")}
+    c.note(f"d_model 1024 LM, bf16-mixed, fused AdamW, median step: {median['without']:.2f} ms without NaNDetector,"
+           f" {median['host']:.2f} ms decide='host' ({median['host'] / median['without']:.3f}x),"
+           f" {median['device']:.2f} ms decide='device' ({median['device'] / median['without']:.3f}x)")
 
 
 class BigGrads(pl.LightningModule):
@@ -331,6 +337,22 @@ def check_nan_named(c: Check, root: str) -> None:
         c.note(f"{precision}: {first.get('step')} {first.get('phase')} {first.get('module')!r} {first.get('cause')}")
         c.expect(first.get("module") == "poison" and first.get("phase") == "forward" and first.get("step") == 2,
                  f"{precision}: the NaN named at module 'poison', forward, step 2")
+    detector = NaNDetector(action="skip", decide="device")
+    weights: dict[str, torch.Tensor] = {}
+
+    class Before(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+            if trainer.global_step in (2, 3):
+                weights[str(trainer.global_step)] = pl_module.head.weight.detach().clone()
+
+    fit(LM(d=256, layers=2, heads=4, poison_at=2), [detector, Before()], 4, os.path.join(root, "device"),
+        precision="bf16-mixed")
+    first = detector.events[0] if detector.events else {}
+    unchanged = len(weights) == 2 and torch.equal(weights["2"], weights["3"])
+    c.note(f"decide='device': {first.get('step')} {first.get('phase')} {first.get('module')!r}; weights unchanged"
+           f" over the bad step: {unchanged}")
+    c.expect(first.get("module") == "poison" and first.get("step") == 2 and unchanged,
+             "decide='device': the NaN named at 'poison', step 2, its update left out on the device")
 
 
 def check_fp16_scaler(c: Check, root: str) -> None:

@@ -1,4 +1,7 @@
-"""Run by test_nan.py: 2-process CPU DDP (gloo) where only rank 1 produces a NaN at step 3."""
+"""Run by test_nan.py: 2-process CPU DDP (gloo) where only rank 1 produces a NaN at step 3.
+
+Arguments: the output folder, the action, and optionally ``decide`` (``"device"``: a fused AdamW).
+"""
 
 import json
 import os
@@ -21,11 +24,12 @@ class RankPoison(TinyNet):
 
 if __name__ == "__main__":
     out, action = sys.argv[1], sys.argv[2]
-    detector = NaNDetector(action=action)
+    decide = sys.argv[3] if len(sys.argv) > 3 else "host"
+    detector = NaNDetector(action=action, decide=decide)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False, callbacks=[detector],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=out)
-    model = RankPoison()
+    model = RankPoison(optimizer="fused_adamw" if decide == "device" else "sgd")
     try:
         trainer.fit(model, make_loader(n=128))
         outcome = "finished"

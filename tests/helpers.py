@@ -100,6 +100,8 @@ class TinyNet(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "fused_adamw":  # takes found_inf: NaNDetector(decide="device")
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=True)
         else:
             opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if not self.use_scheduler:

@@ -217,11 +217,12 @@ def test_clean_run_logs_zero_counters_and_leaves_no_hooks(tmp_path):
 DDP_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_nan_script.py")
 
 
-@pytest.mark.parametrize("action", ["raise", "skip"])
-def test_ddp_two_ranks_agree(tmp_path, action):
+@pytest.mark.parametrize("action, decide", [("raise", "host"), ("skip", "host"), ("raise", "device"),
+                                                ("skip", "device")])
+def test_ddp_two_ranks_agree(tmp_path, action, decide):
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, DDP_SCRIPT, str(out), action], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, DDP_SCRIPT, str(out), action, decide], capture_output=True, text=True,
                           timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

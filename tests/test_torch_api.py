@@ -28,8 +28,8 @@ NAMES = [
     "torch.utils.flop_counter.sdpa_backward_flop_count", "torch.utils.flop_counter.conv_backward_flop",
     # the check, replays, sharded training
     "torch._foreach_norm", "torch._foreach_copy_", "torch.utils._pytree.tree_map", "torch.utils._pytree.tree_leaves",
-    "torch.distributed.fsdp.FSDPModule", "torch.cuda.Event", "torch.overrides.TorchFunctionMode",
-    "torch.backends.cuda.matmul.fp32_precision",
+    "torch.distributed.fsdp.FSDPModule", "torch.cuda.Event", "torch.cuda.Event.query", "torch.cuda.Event.synchronize",
+    "torch.overrides.TorchFunctionMode", "torch.backends.cuda.matmul.fp32_precision",
     # the memory view, activation checkpointing, the snapshot on out of memory
     "torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot", "torch.OutOfMemoryError",
     "torch.utils.checkpoint.create_selective_checkpoint_contexts", "torch.autograd.graph.saved_tensors_hooks",
@@ -65,6 +65,32 @@ def test_conv_backward_flop_formula_is_reachable_unregistered():
     from torch.utils import flop_counter
 
     assert callable(flop_counter.conv_backward_flop.__wrapped__)
+
+
+def test_a_late_replay_can_run_as_of_its_step():
+    # NaNDetector(decide="device") replays a step late: Lightning's global_step must be the optimizer progress's count
+    import lightning.pytorch as pl
+
+    from lightning_opkit.nan.device import as_of_step
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with as_of_step(trainer, 7):
+        assert trainer.global_step == 7
+    assert trainer.global_step == 0
+
+
+def test_fused_optimizers_take_found_inf():
+    # a 0-d found_inf leaves a fused AdamW's update, weight decay and step count out
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=1.0, weight_decay=0.5, fused=True)
+    p.grad = torch.ones(3)
+    opt.step()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    before = p.detach().clone()
+    opt.found_inf, opt.grad_scale = torch.ones(()), None
+    opt.step()
+    assert torch.equal(p, before)
+    assert all(torch.equal(v, opt.state[p][k]) for k, v in state.items())
 
 
 def test_the_declared_floors_are_met_here():

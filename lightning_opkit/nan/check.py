@@ -15,7 +15,7 @@ from lightning_opkit.nan.report import Origin
 from lightning_opkit.nan.spike import log_loss
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["Checked", "all_finite", "bad_gradient_shard", "check", "check_step"]
+__all__ = ["Checked", "all_finite", "bad_gradient_shard", "check", "check_step", "flags"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -75,6 +75,26 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         >>> checked.loss_bad, checked.grad_bad
         (False, True)
     """
+    found, own, norms = flags(losses, grads, device, extra)
+    loss_bad, grad_bad, loss_value, grad_value, flagged = found.tolist()  # the one host sync of a checked step
+    grad_bad = grad_bad > 0 and _exactly_non_finite([g for g in (local(g) for g in grads) if not g.is_sparse])
+    return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms, flagged > 0)
+
+
+def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
+          extra: Callable[[Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`check`'s reduction, left on the device: nothing is read on the host.
+
+    Returns:
+        ``found`` (5 floats, their maximum over ranks: loss non-finite, a gradient norm non-finite, log-loss,
+        log-gradient-norm, the ``extra`` flag), this rank's own log-loss and log-gradient-norm, and its per-gradient
+        norms.
+
+    Example:
+        >>> found, _, _ = flags([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
+        >>> found[:2].tolist()
+        [0.0, 1.0]
+    """
     losses = [local(x).reshape(-1).float() for x in losses]
     grads = [g for g in (local(g) for g in grads) if not g.is_sparse and g.numel()]
     if losses:
@@ -86,14 +106,12 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     # One fused multi-tensor kernel on CUDA; a NaN or Inf anywhere makes its norm non-finite. The norms are taken in
     # fp32: in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow.
     norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
-    flags = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
+    bad = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
     grad_norm = norms.square().sum().sqrt() if norms is not None else zero
     own = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
     more = extra(norms).to(device) if extra is not None else zero.reshape(1)
-    found = _any_rank(torch.cat([torch.stack(flags).float(), own, more]))  # a copy: ``own`` stays this rank's
-    loss_bad, grad_bad, loss_value, grad_value, flagged = found.tolist()  # the one host sync of a checked step
-    grad_bad = grad_bad > 0 and _exactly_non_finite(grads)
-    return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms, flagged > 0)
+    found = _any_rank(torch.cat([torch.stack(bad).float(), own, more]))  # a copy: ``own`` stays this rank's
+    return found, own, norms
 
 
 def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:

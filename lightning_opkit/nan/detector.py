@@ -35,8 +35,9 @@ from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_r
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.nan.cause import diagnose
-from lightning_opkit.nan.check import Checked, bad_gradient_shard, check
+from lightning_opkit.nan.check import Checked, bad_gradient_shard, check, flags
 from lightning_opkit.nan.dead import COLUMNS, DeadWatch
+from lightning_opkit.nan.device import HostCopy, as_of_step, takes_found_inf
 from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.report import (
@@ -56,6 +57,7 @@ from lightning_opkit.nan.spike_report import SpikeCase, Spikes, investigate, top
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
 _ACTIONS = ("raise", "skip", "warn", "stop")
+_DECIDE = ("host", "device")
 
 
 def _pinner(trainer: pl.Trainer) -> PinsModules | None:
@@ -68,6 +70,18 @@ def _ran_compiled(trainer: pl.Trainer) -> bool:
     return any(c.compiled for c in offering(trainer, CompilesRegions))
 
 
+def _check_device_decision(trainer: pl.Trainer) -> None:
+    """``decide="device"`` needs optimizers that take ``found_inf``, and no GradScaler of its own deciding skips."""
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError("NaNDetector(decide='device') cannot share the optimizer's found_inf with this run's"
+                         f" GradScaler (precision={trainer.precision!r}): use decide='host', or bf16")
+    for optimizer in trainer.optimizers:
+        if not takes_found_inf(optimizer):
+            raise ValueError(f"NaNDetector(decide='device') needs an optimizer that leaves an update out on the device"
+                             f" (found_inf): {type(optimizer).__name__} here is not fused. Pass fused=True (torch's"
+                             " Adam, AdamW, SGD, Adagrad), or use decide='host'")
+
+
 def _from_rank(ranks: Ranks, rank: int, value: Any) -> Any:
     return ranks.from_rank(value, rank)
 
@@ -78,6 +92,16 @@ class _MicroBatch:
     batch_idx: int
     rng: tuple[Tensor, Any]
     loss: Tensor | None = None
+
+
+@dataclass
+class _Late:
+    """A checked step whose flags were left on the device (``decide="device"``), to be read at the next step."""
+
+    pending: list[_MicroBatch]
+    found: HostCopy
+    step: int
+    epoch: int
 
 
 def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
@@ -204,6 +228,11 @@ class NaNDetector(OpkitCallback):
         dead_after: name once, with their module, the stepped parameters (and experts of fused MoE weights) that had
             no gradient, or an all-zero one, over this many checked steps in a row (:mod:`~lightning_opkit.nan.dead`);
             ``None``: not watched.
+        decide: ``"host"``: the checked step's flags are read on the host before ``optimizer.step`` (one sync).
+            ``"device"``: no sync: a fused optimizer (``fused=True``) leaves a bad step's update out on the device,
+            and the report and the action come one step late (:mod:`~lightning_opkit.nan.device`: a step-interval
+            LR schedule then advances on the skipped step). Needs a fused optimizer, no GradScaler, no
+            ``spike_zscore``.
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")], logger=False)
@@ -224,6 +253,7 @@ class NaNDetector(OpkitCallback):
         spike_zscore: Optional[float] = None,
         spike_window: int = 100,
         dead_after: Optional[int] = None,
+        decide: Literal["host", "device"] = "host",
     ) -> None:
         super().__init__()
         check_choice("action", action, _ACTIONS)
@@ -236,6 +266,10 @@ class NaNDetector(OpkitCallback):
         check_int("spike_window", spike_window, 2)
         check_positive("spike_zscore", spike_zscore, "such as 6.0, or None")
         check_int("dead_after", dead_after, 1, optional=True)
+        check_choice("decide", decide, _DECIDE)
+        if decide == "device" and spike_zscore is not None:
+            raise ValueError(f"NaNDetector(decide='device') reads a step's values one step late, too late to leave a"
+                             f" spike's update out: spike_zscore={spike_zscore!r} needs decide='host'")
         self.action = action
         self.check_forward = check_forward
         self.check_backward = check_backward
@@ -259,6 +293,8 @@ class NaNDetector(OpkitCallback):
         self._spikes = Spikes(self.spike_zscore or math.inf, spike_window)
         self.dead_after = dead_after
         self._dead = DeadWatch(dead_after) if dead_after is not None else None
+        self.decide = decide
+        self._late: _Late | None = None
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -333,6 +369,8 @@ class NaNDetector(OpkitCallback):
             return next((c.interval for c in trainer.lr_scheduler_configs if c.scheduler is scheduler), "step")
 
         self._skipper.wrap_scheduler_step(pl_module, interval_of)
+        if self.decide == "device":
+            _check_device_decision(trainer)
         for optimizer in trainer.optimizers:
             self._skipper.wrap_optimizer(optimizer)
         self._repairs.apply_all(pl_module, _pinner(trainer))  # a resumed run keeps its pins
@@ -341,7 +379,8 @@ class NaNDetector(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._pending.clear()
-        self._skipper.state = BatchState.UNCHECKED
+        self._late = None
+        self._skipper.state, self._skipper.found_inf = BatchState.UNCHECKED, None
         self._repairs.release()
 
     # the cheap per-step path: hooks -> check
@@ -366,6 +405,9 @@ class NaNDetector(OpkitCallback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
+        if self.decide == "device":
+            self._decide_on_device(trainer, pl_module, optimizer)
+            return
         if self._skipper.state is not BatchState.CHECKING:
             return
         pending, self._pending = self._pending, []
@@ -399,10 +441,42 @@ class NaNDetector(OpkitCallback):
             return
         self._act(trainer, pl_module, self._report(trainer, pl_module, pending, loss_bad, optimizer))
 
+    def _decide_on_device(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                          optimizer: torch.optim.Optimizer) -> None:
+        """Read the last checked step's flags (copied long ago), then leave this step's flags on the device."""
+        self._settle(trainer, pl_module)
+        if self._skipper.state is not BatchState.CHECKING:
+            return
+        pending, self._pending = self._pending, []
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None] if self.check_backward else []
+        dead = None if self._dead is None else functools.partial(self._dead.flag, params, step=trainer.global_step)
+        found, _, _ = flags([m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead)
+        bad = found[:2].amax()
+        self._skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
+        self._skipper.restore_buffers_where(bad)
+        self._late = _Late(pending, HostCopy(found), trainer.global_step, trainer.current_epoch)
+
+    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""
+        late, self._late = self._late, None
+        if late is None:
+            return
+        loss_bad, grad_bad, _, _, flagged = late.found.read()
+        if flagged > 0:
+            _name_dead(self, trainer, pl_module)
+        if not (loss_bad > 0 or grad_bad > 0):
+            self.consecutive_skips = 0
+            return
+        # The weights are still those the bad step ran on: its update was left out on the device.
+        with as_of_step(trainer, late.step):
+            report = self._report(trainer, pl_module, late.pending, loss_bad > 0, None)
+            self._act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)
+
     # the slow path: locate -> diagnose -> act
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
-                loss_bad: bool, optimizer: torch.optim.Optimizer) -> NaNReport:
+                loss_bad: bool, optimizer: torch.optim.Optimizer | None) -> NaNReport:
         # Every rank replays every micro-batch until one rank reproduces the fault, then runs the cause replays with
         # that rank's culprit: the same replays on every rank, in lockstep (see _ranks.py). What decides the report
         # (the gathered origins, each replay's outcome) is the same on every rank, so every rank builds the same one.
@@ -418,7 +492,9 @@ class NaNDetector(OpkitCallback):
             set_rng_state(resume_rng)
         # Not reproduced by any replay. A sharded gradient (FSDP2, tensor parallel) is not seen by a replay's
         # parameter hooks at all, but the step's own gradient shards say which parameter went bad, and where.
-        shard = bad_gradient_shard(pl_module, optimizer) if self.check_backward and not loss_bad else None
+        # (``optimizer`` None: read a step late, when the gradients are the next step's)
+        shard = (bad_gradient_shard(pl_module, optimizer) if self.check_backward and not loss_bad and optimizer
+                 else None)
         found = [(r, o) for r, o in enumerate(ranks.gather(shard)) if o is not None]
         batch_idx = pending[-1].batch_idx if pending else -1
         if found:
@@ -466,14 +542,17 @@ class NaNDetector(OpkitCallback):
                         origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree,
                         compiled=_ran_compiled(trainer))
 
-    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport) -> None:
+    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport, late: bool = False) -> None:
+        """Act on a fault; ``late``: a step late (``decide="device"``), its update already left out on the device."""
         goes_on = self.action == "warn" or (
             self.action == "skip" and self.consecutive_skips + 1 <= self.max_consecutive_skips)
         report = self._amended(trainer, pl_module, report, goes_on)
         self.reports.append(report)
         # The buffers the bad forward wrote are put back whatever the action: a caught NonFiniteError leaves a model
-        # that still evaluates.
-        self._skipper.restore_buffers()
+        # that still evaluates. A step late they were put back on the device; what goes back now is what the next
+        # step's forward wrote, when the run ends here.
+        if not late or not goes_on:
+            self._skipper.restore_buffers()
         if self.action == "skip" and self.consecutive_skips + 1 > self.max_consecutive_skips:
             _log(self, trainer, report)
             raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
@@ -481,12 +560,14 @@ class NaNDetector(OpkitCallback):
         if self.action == "raise":
             _log(self, trainer, report)
             raise NonFiniteError(report)
-        self._skipper.state = BatchState.SKIP_PENDING  # the optimizer step itself is left out (see _nan_skip)
+        if not late:
+            self._skipper.state = BatchState.SKIP_PENDING  # the optimizer step itself is left out (see _nan_skip)
         self.skipped_steps += 1
         self.consecutive_skips += 1
         _log(self, trainer, report)
         if self.action == "warn":
-            warnings.warn(format_report(report) + " The optimizer step was skipped.", stacklevel=2)
+            warnings.warn(format_report(report) + (" The optimizer step was skipped on the device (decide='device')."
+                                                   if late else " The optimizer step was skipped."), stacklevel=2)
         elif self.action == "stop":
             trainer.should_stop = True
 
@@ -507,8 +588,13 @@ class NaNDetector(OpkitCallback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(trainer, pl_module)  # the epoch's last checked step, with decide="device"
         # A clean run shows flat zeros in TensorBoard rather than no NaN tags at all.
         self._log_counters(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(trainer, pl_module)
 
     def _log_counters(self, trainer: pl.Trainer) -> None:
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.nan.device import with_found_inf
 
 __all__ = ["BatchState", "StepSkipper"]
 
@@ -63,6 +64,8 @@ class StepSkipper:
         self._patches = patches
         self._buffers: list[Tensor] = []
         self._saved: list[Tensor] = []
+        #: with ``decide="device"``: this step's flag (a 0-d tensor), handed to the next optimizer step's ``found_inf``
+        self.found_inf: Tensor | None = None
 
     @property
     def step_left_out(self) -> bool:
@@ -90,6 +93,13 @@ class StepSkipper:
             with torch.no_grad():
                 torch._foreach_copy_(self._buffers, self._saved)
 
+    def restore_buffers_where(self, bad: Tensor) -> None:
+        """Put back the saved buffers where ``bad`` (a 0-d tensor) is set, on the device: no host sync."""
+        if self._saved:
+            with torch.no_grad():
+                for buffer, saved in zip(self._buffers, self._saved):
+                    buffer.copy_(torch.where(bad.bool(), saved, buffer))
+
     def wrap_scheduler_step(self, pl_module: Any, interval_of: Callable[[Any], str]) -> None:
         """Patch ``pl_module.lr_scheduler_step`` so a left-out step does not advance a per-step schedule.
 
@@ -113,9 +123,13 @@ class StepSkipper:
         # The skip is decided inside the closure (on_before_optimizer_step), after backward and before gradient
         # clipping. Running the closure first lets the step itself be left out, rather than relying on every
         # optimizer to ignore parameters without gradients (weight decay would still move them).
+        def step_now(**kwargs: Any) -> Any:
+            found_inf, self.found_inf = self.found_inf, None
+            return step(**kwargs) if found_inf is None else with_found_inf(optimizer, found_inf, step, **kwargs)
+
         def skippable_step(closure: Any = None, **kwargs: Any) -> Any:
             if closure is None:  # a GradScaler's step, after the precision plugin ran the closure itself
-                return self._leave_out(optimizer) if self._take_pending() else step(**kwargs)
+                return self._leave_out(optimizer) if self._take_pending() else step_now(**kwargs)
             with torch.enable_grad():
                 result = closure()
             if self._take_pending():
@@ -127,7 +141,7 @@ class StepSkipper:
                 # The optimizer's own call gets the result already computed; LBFGS's later calls rerun the closure.
                 return pending.pop() if pending else closure()
 
-            return step(closure=closure_once_more, **kwargs)
+            return step_now(closure=closure_once_more, **kwargs)
 
         if hasattr(step, "_wrapped_by_lr_sched"):
             # torch's LR schedulers warn that optimizer.step was overridden unless the step they wrapped is marked.
@@ -136,7 +150,7 @@ class StepSkipper:
 
     def _take_pending(self) -> bool:
         if self.state is BatchState.SKIP_PENDING:
-            self.state = BatchState.SKIPPED
+            self.state, self.found_inf = BatchState.SKIPPED, None
             return True
         return False
 

@@ -279,7 +279,7 @@ class ZooModule(pl.LightningModule):
     """
 
     def __init__(self, case: Case | str, faults: dict[str, int] | None = None, lr: float = 1e-2,
-                 deep: str | None = None) -> None:
+                 deep: str | None = None, fused: bool = False) -> None:
         super().__init__()
         self.case = CASES[case] if isinstance(case, str) else case
         if deep is not None:  # poison another submodule than the case's own
@@ -287,6 +287,7 @@ class ZooModule(pl.LightningModule):
         self.model = self.case.build()
         self.faults = dict(faults or {})
         self.lr = lr
+        self.fused = fused  # AdamW(fused=True): takes found_inf, so a step can be left out on the device
         if {"forward", "backward"} & set(self.faults):
             self.model.get_submodule(self.case.deep).register_forward_hook(self._poison_output)
         if "param" in self.faults:
@@ -318,7 +319,7 @@ class ZooModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=self.fused or None)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
