@@ -137,6 +137,30 @@ def suite_nan(args) -> None:
               f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")
 
 
+class FusedViT(ViTClassifier):
+    """The example ViT under a fused AdamW (no schedule): what ``NaNDetector(decide="device")`` needs."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.05, fused=True)
+
+
+def fused_vit() -> FusedViT:
+    torch.manual_seed(0)
+    return FusedViT()
+
+
+def suite_nan_device(args) -> None:
+    medians = interleave({
+        "no callback (fused AdamW)": lambda: (fused_vit(), [], {}),
+        "NaNDetector decide='host'": lambda: (fused_vit(), [NaNDetector()], {}),
+        "NaNDetector decide='device'": lambda: (fused_vit(), [NaNDetector(decide="device")], {}),
+    }, args.steps, args.reps, args.skip)
+    report("NaNDetector: the flags read before the step, or left to the fused optimizer on the device", medians,
+           "no callback (fused AdamW)")
+    host, device = medians["NaNDetector decide='host'"], medians["NaNDetector decide='device'"]
+    print(f"  decide device / host: {device / host:.3f}")
+
+
 def suite_precision(args) -> None:
     medians = interleave({
         "bf16-mixed": lambda: (vit(), [], {"precision": "bf16-mixed"}),
@@ -336,7 +360,8 @@ def suite_cold_start(args) -> None:
               f" (ratio {reg_s / whole_s:.3f})")
 
 
-SUITES = {"nan": suite_nan, "precision": suite_precision, "precision_loop": suite_precision_loop,
+SUITES = {"nan": suite_nan, "nan_device": suite_nan_device, "precision": suite_precision,
+          "precision_loop": suite_precision_loop,
           "precision_auto": suite_precision_auto,
           "precision_compile": suite_precision_compile,
           "profiler": suite_profiler, "compile": suite_compile, "cold_start": suite_cold_start}

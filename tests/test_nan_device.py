@@ -101,6 +101,33 @@ def test_every_n_steps_reads_at_the_next_step_even_unchecked(tmp_path):
     assert (seen.seen[2], seen.seen[3]) == (0, 1)
 
 
+def test_a_checkpoint_between_the_bad_step_and_the_next_carries_its_fault(tmp_path):
+    torch.manual_seed(0)
+    every = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    detector = NaNDetector(action="skip", decide="device")
+    trainer(tmp_path, [detector, every], max_steps=5, enable_checkpointing=True).fit(
+        TinyNet(optimizer="fused_adamw", forward_steps=(2,)), make_loader())
+    # saved at the end of step 2, before step 3 read the flags: the fault is in it, read by the checkpoint
+    saved = torch.load(str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"), weights_only=False)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("NaNDetector")]
+    assert [(e["step"], e["module"]) for e in state["events"]] == [(2, "body.1")]
+    assert state["skipped_steps"] == 1
+    assert [e["step"] for e in detector.events] == [2]  # once, not again at step 3
+
+
+class Manual(TinyNet):
+    def __init__(self):
+        super().__init__(optimizer="fused_adamw")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+
+
 def test_device_decision_needs_a_fused_optimizer_and_no_grad_scaler(tmp_path):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -109,6 +136,8 @@ def test_device_decision_needs_a_fused_optimizer_and_no_grad_scaler(tmp_path):
     with pytest.raises(ValueError, match="GradScaler"):
         trainer(tmp_path, [NaNDetector(decide="device")], max_steps=2,
                 plugins=[MixedPrecision("16-mixed", "cpu")]).fit(TinyNet(optimizer="fused_adamw"), make_loader())
+    with pytest.raises(ValueError, match="automatic optimization"):
+        trainer(tmp_path, [NaNDetector(decide="device")], max_steps=2).fit(Manual(), make_loader())
 
 
 @pytest.mark.parametrize("kwargs, match", [

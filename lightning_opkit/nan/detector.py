@@ -11,12 +11,10 @@ each event and each epoch's end), ``opkit/nan/report`` (the report and its field
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -29,26 +27,22 @@ from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int, check_positive
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.fp32 import has_low_weights
-from lightning_opkit.core.kit import CompilesRegions, PinsModules, RunsModulesInDtype, offering
+from lightning_opkit.core.kit import PinsModules, RunsModulesInDtype, offering
 from lightning_opkit.core.ranks import Ranks, local
-from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
+from lightning_opkit.core.replay import rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.core.text import markdown_table
-from lightning_opkit.nan.cause import diagnose
-from lightning_opkit.nan.check import Checked, bad_gradient_shard, check, flags
+from lightning_opkit.nan.check import Checked, check, flags
 from lightning_opkit.nan.dead import COLUMNS, DeadWatch
 from lightning_opkit.nan.device import HostCopy, as_of_step, takes_found_inf
-from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.repair import Repairs
+from lightning_opkit.nan.replays import MicroBatch, Replays, from_rank, ran_compiled
 from lightning_opkit.nan.report import (
-    SHARD_ONLY,
-    Cause,
     NaNReport,
     NonFiniteError,
     Origin,
     amended,
     format_report,
-    not_reproduced,
 )
 from lightning_opkit.nan.scaler import ScaleWatch, collapse_cause
 from lightning_opkit.nan.skip import BatchState, StepSkipper
@@ -65,16 +59,14 @@ def _pinner(trainer: pl.Trainer) -> PinsModules | None:
     return next(offering(trainer, PinsModules), None)
 
 
-def _ran_compiled(trainer: pl.Trainer) -> bool:
-    """Whether the step ran (partly) compiled: every replay runs eagerly, so not reproducing a fault says less."""
-    return any(c.compiled for c in offering(trainer, CompilesRegions))
-
-
 def _check_device_decision(trainer: pl.Trainer) -> None:
     """``decide="device"`` needs optimizers that take ``found_inf``, and no GradScaler of its own deciding skips."""
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         raise ValueError("NaNDetector(decide='device') cannot share the optimizer's found_inf with this run's"
                          f" GradScaler (precision={trainer.precision!r}): use decide='host', or bf16")
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError("NaNDetector(decide='device') needs automatic optimization (it hands the optimizer step its"
+                         " found_inf): this LightningModule optimizes manually; use decide='host'")
     for optimizer in trainer.optimizers:
         if not takes_found_inf(optimizer):
             raise ValueError(f"NaNDetector(decide='device') needs an optimizer that leaves an update out on the device"
@@ -82,39 +74,27 @@ def _check_device_decision(trainer: pl.Trainer) -> None:
                              " Adam, AdamW, SGD, Adagrad), or use decide='host'")
 
 
-def _from_rank(ranks: Ranks, rank: int, value: Any) -> Any:
-    return ranks.from_rank(value, rank)
-
-
-@dataclass
-class _MicroBatch:
-    batch: Any
-    batch_idx: int
-    rng: tuple[Tensor, Any]
-    loss: Tensor | None = None
-
-
 @dataclass
 class _Late:
     """A checked step whose flags were left on the device (``decide="device"``), to be read at the next step."""
 
-    pending: list[_MicroBatch]
+    pending: list[MicroBatch]
     found: HostCopy
     step: int
     epoch: int
 
 
 def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
-                      pending: list[_MicroBatch], scale: float) -> None:
+                      pending: list[MicroBatch], scale: float) -> None:
     """Report the GradScaler's collapse once, with where the gradients first went non-finite at this scale."""
     ranks, resume_rng = Ranks(pl_module.device), rng_state()
     try:
-        seen = detector._first_seen(trainer, pl_module, pending, ranks, scale=scale)
+        seen = detector._replays.first_seen(trainer, pl_module, pending, ranks, scale=scale)
     finally:
         set_rng_state(resume_rng)
     origin = seen[1] if seen is not None else Origin(phase="backward", module=None)
     cause = collapse_cause(detector._scale_watch.describe(scale), origin.module)
-    report = detector._amended(trainer, pl_module, detector._new_report(
+    report = detector._amended(trainer, pl_module, detector._replays.new_report(
         trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), detector.action in ("skip", "warn"))
     detector.reports.append(report)
     _log(detector, trainer, report)
@@ -161,7 +141,7 @@ def _name_dead(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.Lightni
 
 
 def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
-                  pending: list[_MicroBatch], checked: Checked, kind: str,
+                  pending: list[MicroBatch], checked: Checked, kind: str,
                   optimizer: torch.optim.Optimizer) -> NaNReport:
     """A spike's report: where it starts, what jumped, and why (see :func:`.spike_report.investigate`)."""
     spikes = detector._spikes
@@ -171,13 +151,13 @@ def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: 
     own_values = checked.local.tolist()  # the slow path: syncs freely
     own = spikes.watch.scores((own_values[0], own_values[1]))[0 if kind == "loss" else 1]
     rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]  # the rank that spiked highest (lowest on a tie)
-    agree = functools.partial(_from_rank, ranks, rank)
+    agree = functools.partial(from_rank, ranks, rank)
     micro = max(pending, key=lambda m: -math.inf if m.loss is None else m.loss.float().mean().item())
     good, n = spikes.last_good, max(len(pending), 1)
-    step_loss = detector._step_loss
-    case = SpikeCase(pl_module, detector._hooked, functools.partial(step_loss, trainer, pl_module, micro), micro.rng,
-                     None if good is None else (step_loss(trainer, pl_module, good), good.rng), micro.batch_idx, kind,
-                     spikes.zscore, 1 / n)
+    step_loss = detector._replays.step_loss
+    case = SpikeCase(pl_module, detector._replays.hooked, functools.partial(step_loss, trainer, pl_module, micro),
+                     micro.rng, None if good is None else (step_loss(trainer, pl_module, good), good.rng),
+                     micro.batch_idx, kind, spikes.zscore, 1 / n)
     policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))
     names = {id(p): name for name, p in pl_module.named_parameters()}
     stepped = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
@@ -185,7 +165,7 @@ def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: 
     lowered = "mixed" in str(trainer.precision) or has_low_weights(pl_module) or bool(policies)
     try:
         found = investigate(case, spikes.watch, lambda: top_jumps(checked.norms, spikes.running, stepped), policies,
-                            lowered, _ran_compiled(trainer), agree)
+                            lowered, ran_compiled(trainer), agree)
     finally:
         set_rng_state(resume_rng)
     # the loss as training_step returned it: Lightning hands on_before_backward it divided by the accumulation
@@ -194,6 +174,40 @@ def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: 
                        detector.action)
     return dataclasses.replace(report, kind="spike", loss=loss, zscore=spikes.watch.scores(checked.values)[
         0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)
+
+
+def _decide_on_device(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                      optimizer: torch.optim.Optimizer) -> None:
+    """Read the last checked step's flags (copied long ago), then leave this step's flags on the device."""
+    _settle(detector, trainer, pl_module)
+    if detector._skipper.state is not BatchState.CHECKING:
+        return
+    pending, detector._pending = detector._pending, []
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params if p.grad is not None] if detector.check_backward else []
+    dead = None if detector._dead is None else functools.partial(detector._dead.flag, params, step=trainer.global_step)
+    found, _, _ = flags([m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead)
+    bad = found[:2].amax()
+    detector._skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
+    detector._skipper.restore_buffers_where(bad)
+    detector._late = _Late(pending, HostCopy(found), trainer.global_step, trainer.current_epoch)
+
+
+def _settle(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""
+    late, detector._late = detector._late, None
+    if late is None:
+        return
+    loss_bad, grad_bad, _, _, flagged = late.found.read()
+    if flagged > 0:
+        _name_dead(detector, trainer, pl_module)
+    if not (loss_bad > 0 or grad_bad > 0):
+        detector.consecutive_skips = 0
+        return
+    # The weights are still those the bad step ran on: its update was left out on the device.
+    with as_of_step(trainer, late.step):
+        report = detector._replays.report(trainer, pl_module, late.pending, loss_bad > 0, None)
+        detector._act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)
 
 
 class NaNDetector(OpkitCallback):
@@ -285,8 +299,8 @@ class NaNDetector(OpkitCallback):
         self.reports: list[NaNReport] = []
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self._hooked: list[tuple[str, torch.nn.Module]] = []
-        self._pending: list[_MicroBatch] = []
+        self._replays = Replays(check_forward, check_backward, check_loss, action)
+        self._pending: list[MicroBatch] = []
         self._skipper = StepSkipper(self._patches)
         self._repairs = Repairs()
         self._scale_watch = ScaleWatch()
@@ -315,6 +329,15 @@ class NaNDetector(OpkitCallback):
     def state_dict(self) -> dict[str, Any]:
         return {"events": self.events, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "repairs": dict(self._repairs.pinned), "spikes": self._spikes.state_dict()}
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self._late is not None:
+            # decide="device": a checkpoint between a checked step and the next carries that step's fault too (the
+            # read is the checkpoint's own sync; its weights are already without the bad update)
+            _settle(self, trainer, pl_module)
+            checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -353,8 +376,8 @@ class NaNDetector(OpkitCallback):
         if stage != "fit":
             return
         self._detach()
-        self._hooked = (resolve_modules(pl_module, self.modules, owner="NaNDetector") if self.modules is not None
-                        else list(pl_module.named_modules()))
+        self._replays.hooked = (resolve_modules(pl_module, self.modules, owner="NaNDetector")
+                                if self.modules is not None else list(pl_module.named_modules()))
         self._skipper.watch_buffers(list(pl_module.buffers()))
         if self.spike_zscore is not None:
             self._spikes.start()
@@ -392,7 +415,7 @@ class NaNDetector(OpkitCallback):
         self._skipper.begin_batch(checking, save_buffers=not self._pending)
         if checking:
             # References only: the batch and RNG state are what a replay needs to reproduce this micro-batch.
-            self._pending.append(_MicroBatch(batch, batch_idx, rng_state()))
+            self._pending.append(MicroBatch(batch, batch_idx, rng_state()))
         else:
             self._pending.clear()
 
@@ -406,7 +429,7 @@ class NaNDetector(OpkitCallback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         if self.decide == "device":
-            self._decide_on_device(trainer, pl_module, optimizer)
+            _decide_on_device(self, trainer, pl_module, optimizer)
             return
         if self._skipper.state is not BatchState.CHECKING:
             return
@@ -439,108 +462,9 @@ class NaNDetector(OpkitCallback):
             if self._scale_watch.skipped_step(scale):
                 _scaler_collapsed(trainer, pl_module, self, pending, scale)
             return
-        self._act(trainer, pl_module, self._report(trainer, pl_module, pending, loss_bad, optimizer))
+        self._act(trainer, pl_module, self._replays.report(trainer, pl_module, pending, loss_bad, optimizer))
 
-    def _decide_on_device(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                          optimizer: torch.optim.Optimizer) -> None:
-        """Read the last checked step's flags (copied long ago), then leave this step's flags on the device."""
-        self._settle(trainer, pl_module)
-        if self._skipper.state is not BatchState.CHECKING:
-            return
-        pending, self._pending = self._pending, []
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params if p.grad is not None] if self.check_backward else []
-        dead = None if self._dead is None else functools.partial(self._dead.flag, params, step=trainer.global_step)
-        found, _, _ = flags([m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead)
-        bad = found[:2].amax()
-        self._skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
-        self._skipper.restore_buffers_where(bad)
-        self._late = _Late(pending, HostCopy(found), trainer.global_step, trainer.current_epoch)
-
-    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""
-        late, self._late = self._late, None
-        if late is None:
-            return
-        loss_bad, grad_bad, _, _, flagged = late.found.read()
-        if flagged > 0:
-            _name_dead(self, trainer, pl_module)
-        if not (loss_bad > 0 or grad_bad > 0):
-            self.consecutive_skips = 0
-            return
-        # The weights are still those the bad step ran on: its update was left out on the device.
-        with as_of_step(trainer, late.step):
-            report = self._report(trainer, pl_module, late.pending, loss_bad > 0, None)
-            self._act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)
-
-    # the slow path: locate -> diagnose -> act
-
-    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
-                loss_bad: bool, optimizer: torch.optim.Optimizer | None) -> NaNReport:
-        # Every rank replays every micro-batch until one rank reproduces the fault, then runs the cause replays with
-        # that rank's culprit: the same replays on every rank, in lockstep (see _ranks.py). What decides the report
-        # (the gathered origins, each replay's outcome) is the same on every rank, so every rank builds the same one.
-        ranks = Ranks(pl_module.device)
-        resume_rng = rng_state()
-        try:
-            seen = self._first_seen(trainer, pl_module, pending, ranks)
-            if seen is not None:
-                micro, origin, culprit = seen
-                cause = self._cause(trainer, pl_module, micro, origin, functools.partial(_from_rank, ranks, culprit))
-                return self._new_report(trainer, micro.batch_idx, origin, cause, culprit)
-        finally:
-            set_rng_state(resume_rng)
-        # Not reproduced by any replay. A sharded gradient (FSDP2, tensor parallel) is not seen by a replay's
-        # parameter hooks at all, but the step's own gradient shards say which parameter went bad, and where.
-        # (``optimizer`` None: read a step late, when the gradients are the next step's)
-        shard = (bad_gradient_shard(pl_module, optimizer) if self.check_backward and not loss_bad and optimizer
-                 else None)
-        found = [(r, o) for r, o in enumerate(ranks.gather(shard)) if o is not None]
-        batch_idx = pending[-1].batch_idx if pending else -1
-        if found:
-            rank, origin = found[0]
-            return self._new_report(trainer, batch_idx, origin, SHARD_ONLY, rank)
-        unseen = Origin(phase="loss" if loss_bad else "backward", module=None)
-        return self._new_report(trainer, batch_idx, unseen, not_reproduced(_ran_compiled(trainer)), 0)
-
-    def _first_seen(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[_MicroBatch],
-                    ranks: Ranks, scale: float | None = None) -> tuple[_MicroBatch, Origin, int] | None:
-        """Replay micro-batches until one rank reproduces the fault: the micro-batch, the origin, that rank.
-
-        With ``scale``, the loss is scaled as the GradScaler scaled the step's, and backward alone is watched.
-        """
-        for micro in pending:
-            origins = ranks.gather(locate(
-                pl_module, self._step_loss(trainer, pl_module, micro, scale=scale), micro.rng, modules=self._hooked,
-                forward=self.check_forward and scale is None, backward=self.check_backward,
-                loss=self.check_loss and scale is None, any_rank=ranks.any))
-            seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
-            if seen:
-                culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
-                return micro, origins[culprit], culprit
-        return None
-
-    def _new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
-                    rank: int) -> NaNReport:
-        return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause, self.action)
-
-    def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch,
-                   autocast: bool = True, scale: float | None = None) -> Callable[[], Tensor | None]:
-        def compute_loss() -> Tensor | None:
-            plugin = trainer.precision_plugin.train_step_context() if autocast else contextlib.nullcontext()
-            with quiet_logging(pl_module), plugin:
-                loss = loss_of(pl_module.training_step(micro.batch, micro.batch_idx))
-            return loss if scale is None or loss is None else loss * scale
-
-        return compute_loss
-
-    def _cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: _MicroBatch, origin: Origin,
-               agree: Callable[[Any], Any]) -> Cause:
-        """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit.nan.cause.diagnose`."""
-        policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))  # a policy runs it in fp32
-        return diagnose(lambda autocast: self._step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
-                        origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree,
-                        compiled=_ran_compiled(trainer))
+    # the slow path: act
 
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport, late: bool = False) -> None:
         """Act on a fault; ``late``: a step late (``decide="device"``), its update already left out on the device."""
@@ -588,13 +512,13 @@ class NaNDetector(OpkitCallback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._settle(trainer, pl_module)  # the epoch's last checked step, with decide="device"
+        _settle(self, trainer, pl_module)  # the epoch's last checked step, with decide="device"
         # A clean run shows flat zeros in TensorBoard rather than no NaN tags at all.
         self._log_counters(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._settle(trainer, pl_module)
+        _settle(self, trainer, pl_module)
 
     def _log_counters(self, trainer: pl.Trainer) -> None:
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,
