@@ -80,6 +80,16 @@ def test_raise_comes_a_step_late_with_the_model_as_before_the_bad_batch(tmp_path
     assert differences == LR_ONLY, differences
 
 
+def test_stop_leaves_the_next_step_out_too_and_ends_on_the_weights_before_the_bad_batch(tmp_path):
+    model = build("bn_cnn", faults={"backward": 2}, fused=True)
+    probe = StepProbe(steps=[2])
+    trainer_ = trainer(tmp_path, [NaNDetector(action="stop", decide="device"), probe], max_steps=8, max_epochs=-1)
+    trainer_.fit(model, model.loader())
+    assert trainer_.global_step == 4  # step 3 ran forward and backward, then was left out; the run stopped
+    differences = set(state_differences(probe.before[2], full_state(trainer_, model)))
+    assert differences == LR_ONLY, differences
+
+
 def test_a_fault_at_the_last_step_is_read_at_the_epoch_end(tmp_path):
     torch.manual_seed(0)
     detector = NaNDetector(action="warn", decide="device")
@@ -87,6 +97,8 @@ def test_a_fault_at_the_last_step_is_read_at_the_epoch_end(tmp_path):
         trainer(tmp_path, [detector], max_steps=4).fit(TinyNet(optimizer="fused_adamw", forward_steps=(3,)),
                                                        make_loader())
     assert [(e["step"], e["module"]) for e in detector.events] == [(3, "body.1")]
+    assert detector.summary_lines()[0].startswith("NaN/Inf: 1 event(s), 1 skipped step(s) (action='warn', decided on"
+                                                  " the device: read a step late); first at step 3")
     scalars, _ = read_events(str(tmp_path))
     assert scalars["opkit/nan/skipped_steps"][-1][1] == 1.0
 

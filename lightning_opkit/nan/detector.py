@@ -356,7 +356,8 @@ class NaNDetector(OpkitCallback):
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
         faults = [r for r in self.reports if r.kind == "non_finite"]
-        line = f"NaN/Inf: {len(faults)} event(s), {self.skipped_steps} skipped step(s) (action={self.action!r})"
+        line = f"NaN/Inf: {len(faults)} event(s), {self.skipped_steps} skipped step(s) (action={self.action!r}" + (
+            ", decided on the device: read a step late)" if self.decide == "device" else ")")
         if faults:
             first = faults[0]
             line += f"; first at step {first.step}: {first.origin.phase} in {first.origin.module or '<the loss>'!r}"
@@ -484,8 +485,10 @@ class NaNDetector(OpkitCallback):
         if self.action == "raise":
             _log(self, trainer, report)
             raise NonFiniteError(report)
-        if not late:
-            self._skipper.state = BatchState.SKIP_PENDING  # the optimizer step itself is left out (see _nan_skip)
+        if not late or self.action == "stop":
+            # the optimizer step itself is left out (see skip.py); a step late, with stop, the next one is: the run
+            # ends on the weights from before the bad batch
+            self._skipper.state = BatchState.SKIP_PENDING
         self.skipped_steps += 1
         self.consecutive_skips += 1
         _log(self, trainer, report)
