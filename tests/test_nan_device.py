@@ -159,3 +159,16 @@ def test_device_decision_needs_a_fused_optimizer_and_no_grad_scaler(tmp_path):
 def test_bad_decide_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NaNDetector(**kwargs)
+
+
+def test_decide_from_the_cli():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--callbacks", type=list[pl.Callback])
+    cfg = parser.parse_args(["--callbacks+=lightning_opkit.NaNDetector", "--callbacks.decide=device",
+                             "--callbacks.action=skip"])
+    (detector,) = parser.instantiate_classes(cfg).callbacks
+    assert (type(detector), detector.decide, detector.action) == (NaNDetector, "device", "skip")
+    with pytest.raises(Exception, match="decide"):
+        parser.parse_args(["--callbacks+=lightning_opkit.NaNDetector", "--callbacks.decide=gpu"])
