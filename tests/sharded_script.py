@@ -66,9 +66,9 @@ class Block(nn.Module):
 
 
 class ShardedMLP(pl.LightningModule):
-    def __init__(self, layout, d=16, mixed=False):
+    def __init__(self, layout, d=16, mixed=False, fused=False):
         super().__init__()
-        self.layout, self.mixed = layout, mixed
+        self.layout, self.mixed, self.fused = layout, mixed, fused
         self.inp = nn.Linear(8, d)
         self.blocks = nn.ModuleList([Block(d) for _ in range(3)])
         self.head = nn.Linear(d, 4)
@@ -101,7 +101,7 @@ class ShardedMLP(pl.LightningModule):
         return F.cross_entropy(self(x).float(), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused or None)
 
 
 class ShardedZoo(ZooModule):
@@ -182,7 +182,8 @@ def callbacks_for(name):
     made = {}
     everything = "all4" in name or "all5" in name  # all5: ActivationCheckpointing and the memory view too
     if "nan" in name or everything:
-        made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip")
+        made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip",
+                                  decide="device" if "device" in name else "host")
     if "auto" in name:
         made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2)
     elif "precision" in name or everything:
@@ -237,7 +238,8 @@ def fit(out, layout, name, steps=10):
         model = ShardedZoo(layout[4:], faults={"forward": BAD_STEP})
         loader = model.loader(n=96)
     else:
-        model, loader = ShardedMLP(layout, mixed="mixed" in name), make_loader(n=256, batch_size=8)
+        model = ShardedMLP(layout, mixed="mixed" in name, fused="device" in name)
+        loader = make_loader(n=256, batch_size=8)
     try:
         trainer.fit(model, loader)
         outcome = "finished"

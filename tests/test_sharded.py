@@ -14,8 +14,8 @@ import sys
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
-FSDP_RUNS = ["plain", "nan-skip", "nan-raise", "nan-shard", "precision", "auto", "profiler", "compile",
-             "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
+FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "profiler",
+             "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
@@ -57,6 +57,17 @@ def test_a_nan_on_one_rank_is_named_alike_and_skipped_on_every_rank(runs, layout
         assert r["hooks_left"] == runs[layout]["plain"][0]["hooks_left"]  # only the strategy's own hooks remain
     _same_full_weights(r0["weights"], r1["weights"], exact=layout == "fsdp")
     assert 1234.5 not in [v for w in r0["weights"].values() for v in w]  # no NaN reached the weights
+
+
+def test_the_device_decision_under_fsdp2_skips_as_the_host_does(runs):
+    # NaNDetector(decide="device"): the fused AdamW leaves the bad step's update out on the device, on every rank
+    for device in runs["fsdp"]["nan-skip-device"]:
+        assert (device["outcome"], device["global_step"], device["skipped"]) == ("finished", 10, 1)
+        assert device["events"] == [POISON]
+        assert device["changed_at_bad_step"] == []  # this rank's shards and optimizer state; no LR schedule here
+    r0, r1 = runs["fsdp"]["nan-skip-device"]
+    _same_full_weights(r0["weights"], r1["weights"])
+    assert 1234.5 not in [v for w in r0["weights"].values() for v in w]
 
 
 def test_raise_raises_on_every_rank_with_the_same_report(runs):
