@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["HostCopy", "as_of_step", "takes_found_inf", "with_found_inf"]
 

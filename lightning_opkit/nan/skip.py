@@ -96,9 +96,10 @@ class StepSkipper:
     def restore_buffers_where(self, bad: Tensor) -> None:
         """Put back the saved buffers where ``bad`` (a 0-d tensor) is set, on the device: no host sync."""
         if self._saved:
+            put_back = bad.bool()
             with torch.no_grad():
                 for buffer, saved in zip(self._buffers, self._saved):
-                    buffer.copy_(torch.where(bad.bool(), saved, buffer))
+                    buffer.copy_(torch.where(put_back, saved, buffer))
 
     def wrap_scheduler_step(self, pl_module: Any, interval_of: Callable[[Any], str]) -> None:
         """Patch ``pl_module.lr_scheduler_step`` so a left-out step does not advance a per-step schedule.
