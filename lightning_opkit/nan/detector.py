@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -176,6 +177,20 @@ def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: 
         0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)
 
 
+def _check_inputs(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                  pending: list[MicroBatch], optimizer: torch.optim.Optimizer) -> tuple[
+                      list[Tensor], list[Tensor], torch.device, Callable[[Tensor | None], Tensor] | None]:
+    """What a checked step checks, for :func:`.check.check` and :func:`.check.flags` alike.
+
+    The micro-batches' losses, the gradients (when ``check_backward``), the device, and the dead-parameter flag (when
+    watched).
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params if p.grad is not None] if detector.check_backward else []
+    dead = None if detector._dead is None else functools.partial(detector._dead.flag, params, step=trainer.global_step)
+    return [m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead
+
+
 def _decide_on_device(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule,
                       optimizer: torch.optim.Optimizer) -> None:
     """Read the last checked step's flags (copied long ago), then leave this step's flags on the device."""
@@ -183,10 +198,7 @@ def _decide_on_device(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.
     if detector._skipper.state is not BatchState.CHECKING:
         return
     pending, detector._pending = detector._pending, []
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grads = [p.grad for p in params if p.grad is not None] if detector.check_backward else []
-    dead = None if detector._dead is None else functools.partial(detector._dead.flag, params, step=trainer.global_step)
-    found, _, _ = flags([m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead)
+    found, _, _ = flags(*_check_inputs(detector, trainer, pl_module, pending, optimizer))
     bad = found[:2].amax()
     detector._skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
     detector._skipper.restore_buffers_where(bad)
@@ -435,11 +447,7 @@ class NaNDetector(OpkitCallback):
         if self._skipper.state is not BatchState.CHECKING:
             return
         pending, self._pending = self._pending, []
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        dead = None if self._dead is None else functools.partial(self._dead.flag, params, step=trainer.global_step)
-        checked = check([m.loss for m in pending if m.loss is not None], grads if self.check_backward else [],
-                        pl_module.device, dead)
+        checked = check(*_check_inputs(self, trainer, pl_module, pending, optimizer))
         if checked.extra:
             _name_dead(self, trainer, pl_module)
         loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
