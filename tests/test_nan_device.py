@@ -6,7 +6,7 @@ import torch
 from helpers import StepProbe, TinyNet, full_state, make_loader, read_events, snapshot, state_differences, trainer
 from zoo import CASES, build
 
-from lightning_opkit import NaNDetector, NonFiniteError
+from lightning_opkit import NaNDetector, NonFiniteError, TorchCompile
 
 FAULTS = {"forward": 1, "backward": 2, "param": 3, "loss": 4}
 LR_ONLY = {"state.optim[0].param_groups[0].lr", "state.lr[0]"}
@@ -69,6 +69,7 @@ def test_zoo_faults_are_named_and_their_updates_left_out_on_the_device(tmp_path,
 
 def test_raise_comes_a_step_late_with_the_model_as_before_the_bad_batch(tmp_path):
     model = build("bn_cnn", faults={"forward": 2}, fused=True)
+    before = snapshot(model)
     probe = StepProbe(steps=[2])
     trainer_ = trainer(tmp_path, [NaNDetector(action="raise", decide="device"), probe], max_steps=6, max_epochs=-1)
     with pytest.raises(NonFiniteError, match="global step 2") as info:
@@ -78,6 +79,26 @@ def test_raise_comes_a_step_late_with_the_model_as_before_the_bad_batch(tmp_path
     assert trainer_.global_step == 3
     differences = set(state_differences(probe.before[2], full_state(trainer_, model)))
     assert differences == LR_ONLY, differences
+    assert snapshot(model) == before  # no hook, patch or mode left by the exception
+    assert not hasattr(trainer_.optimizers[0], "found_inf")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_regions_decide_on_the_device_alike(tmp_path, backend):
+    model = build("hf_gpt2", faults=FAULTS, fused=True)
+    before = snapshot(model)
+    detector = NaNDetector(action="skip", decide="device")
+    compiler = TorchCompile(modules=["model." + model.case.blocks], backend=backend)
+    probe = StepProbe(steps=FAULTS.values())
+    trainer(tmp_path, [detector, compiler, probe], max_steps=6, max_epochs=-1).fit(model, model.loader())
+    assert compiler.compiled
+    events = {e["step"]: e for e in detector.events}
+    assert sorted(events) == sorted(FAULTS.values()), detector.events
+    assert (events[1]["phase"], events[1]["module"]) == ("forward", "model." + model.case.deep)
+    assert (events[4]["phase"], events[4]["module"]) == ("loss", "")
+    for step in FAULTS.values():
+        assert set(state_differences(probe.before[step], probe.after[step])) == LR_ONLY, step
+    assert snapshot(model) == before
 
 
 def test_stop_leaves_the_next_step_out_too_and_ends_on_the_weights_before_the_bad_batch(tmp_path):
