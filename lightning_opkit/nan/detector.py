@@ -313,6 +313,7 @@ class NaNDetector(OpkitCallback):
         self.consecutive_skips = 0
         self._replays = Replays(check_forward, check_backward, check_loss, action)
         self._pending: list[MicroBatch] = []
+        self._stepped = False  # an optimizer step was checked on ``_pending`` in this batch
         self._skipper = StepSkipper(self._patches)
         self._repairs = Repairs()
         self._scale_watch = ScaleWatch()
@@ -404,7 +405,11 @@ class NaNDetector(OpkitCallback):
         def interval_of(scheduler: Any) -> str:
             return next((c.interval for c in trainer.lr_scheduler_configs if c.scheduler is scheduler), "step")
 
-        self._skipper.wrap_scheduler_step(pl_module, interval_of)
+        if pl_module.automatic_optimization:
+            self._skipper.wrap_scheduler_step(pl_module, interval_of)
+        else:  # the user's training_step steps the schedulers itself
+            for config in trainer.lr_scheduler_configs:
+                self._skipper.wrap_scheduler(config.scheduler)
         if self.decide == "device":
             _check_device_decision(trainer)
         for optimizer in trainer.optimizers:
@@ -415,6 +420,7 @@ class NaNDetector(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._pending.clear()
+        self._stepped = False
         self._late = None
         self._skipper.state, self._skipper.found_inf = BatchState.UNCHECKED, None
         self._repairs.release()
@@ -424,6 +430,11 @@ class NaNDetector(OpkitCallback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self._stepped:
+            # The last optimizer step's micro-batches are done with. They are kept until now because a manually
+            # optimized step may step several optimizers, each checked on the batch.
+            self._pending.clear()
+            self._stepped = False
         checking = trainer.global_step % self.every_n_steps == 0
         self._skipper.begin_batch(checking, save_buffers=not self._pending)
         if checking:
@@ -433,10 +444,18 @@ class NaNDetector(OpkitCallback):
             self._pending.clear()
 
     @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._skipper.end_batch()
+
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._skipper.state is BatchState.CHECKING and self._pending:
             # a copy: under CUDA graphs (mode="reduce-overhead") the loss lives in memory the next replay reuses
-            self._pending[-1].loss = loss.detach().clone()
+            loss = loss.detach().clone()
+            micro = self._pending[-1]
+            # a manually optimized step may call manual_backward more than once: their sum is what it trained on
+            micro.loss = loss if micro.loss is None else micro.loss + loss
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -446,7 +465,7 @@ class NaNDetector(OpkitCallback):
             return
         if self._skipper.state is not BatchState.CHECKING:
             return
-        pending, self._pending = self._pending, []
+        pending, self._stepped = list(self._pending), True
         checked = check(*_check_inputs(self, trainer, pl_module, pending, optimizer))
         if checked.extra:
             _name_dead(self, trainer, pl_module)

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from lightning_opkit.core.kit import CompilesRegions, RunsModulesInDtype, offering
 from lightning_opkit.core.ranks import Ranks
-from lightning_opkit.core.replay import loss_of, quiet_logging, rng_state, set_rng_state
+from lightning_opkit.core.replay import rng_state, set_rng_state
+from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import bad_gradient_shard
 from lightning_opkit.nan.locate import locate
@@ -127,11 +128,14 @@ class Replays:
     @staticmethod
     def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, micro: MicroBatch,
                   autocast: bool = True, scale: float | None = None) -> Callable[[], Tensor | None]:
-        """The micro-batch's training step as a replay runs it: the precision plugin's autocast, logging quiet."""
+        """The micro-batch's training step as a replay runs it: the precision plugin's autocast, nothing logged.
+
+        Nothing is stepped either, under manual optimization (:func:`~lightning_opkit.core.step_loss.training_loss`).
+        """
         def compute_loss() -> Tensor | None:
             plugin = trainer.precision_plugin.train_step_context() if autocast else contextlib.nullcontext()
-            with quiet_logging(pl_module), plugin:
-                loss = loss_of(pl_module.training_step(micro.batch, micro.batch_idx))
+            with plugin:
+                loss = training_loss(pl_module, micro.batch, micro.batch_idx)
             return loss if scale is None or loss is None else loss * scale
 
         return compute_loss

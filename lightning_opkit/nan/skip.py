@@ -7,7 +7,9 @@ Per batch the :class:`StepSkipper` moves through :class:`BatchState`:
 - ``SKIP_PENDING``: the check failed and the action skips: the wrapped ``optimizer.step`` runs the closure (forward,
   backward, the check) and then leaves the step itself out, sets every gradient to ``None`` (with accumulation they
   would add up), and the state becomes ``SKIPPED``.
-- ``SKIPPED``: the step was left out; a step-interval LR scheduler does not advance (epoch ones do).
+- ``SKIPPED``: the step was left out; a step-interval LR scheduler does not advance (epoch ones do). Under manual
+  optimization the batch's later optimizer steps are left out too (a step may step several optimizers), and so is
+  every LR scheduler step the user's ``training_step`` takes in the batch.
 - ``SCALER_SKIP``: fp16 loss scaling overflowed on purpose; the GradScaler skips the step itself and lowers its
   scale, and the LR scheduler does not advance either.
 
@@ -61,6 +63,7 @@ class StepSkipper:
 
     def __init__(self, patches: Patches) -> None:
         self.state = BatchState.UNCHECKED
+        self.in_batch = False
         self._patches = patches
         self._buffers: list[Tensor] = []
         self._saved: list[Tensor] = []
@@ -75,12 +78,17 @@ class StepSkipper:
     def begin_batch(self, checking: bool, save_buffers: bool) -> None:
         """At a batch's start: checked or not; save the buffers when a new optimizer step begins."""
         self.state = BatchState.CHECKING if checking else BatchState.UNCHECKED
+        self.in_batch = True
         if checking and save_buffers and self._buffers:
             # One multi-tensor copy into storage allocated once, no host sync: BatchNorm statistics are written in
             # the forward, before any check can run.
             if len(self._saved) != len(self._buffers):
                 self._saved = [torch.empty_like(b) for b in self._buffers]
             torch._foreach_copy_(self._saved, self._buffers)
+
+    def end_batch(self) -> None:
+        """At a batch's end: LR scheduler steps taken from now on (an epoch's) are not the batch's."""
+        self.in_batch = False
 
     def watch_buffers(self, buffers: list[Tensor]) -> None:
         """The buffers a skipped step puts back."""
@@ -116,6 +124,21 @@ class StepSkipper:
             return original(scheduler, metric)
 
         self._patches.set(pl_module, "lr_scheduler_step", lr_scheduler_step)
+
+    def wrap_scheduler(self, scheduler: Any) -> None:
+        """Patch ``scheduler.step`` (manual optimization, where ``training_step`` steps it): held in a left-out batch.
+
+        Args:
+            scheduler: a torch LR scheduler.
+        """
+        original = scheduler.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self.in_batch and self.step_left_out:
+                return None
+            return original(*args, **kwargs)
+
+        self._patches.set(scheduler, "step", step)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Patch ``optimizer.step``: the closure runs first, then the step unless it is to be left out."""
@@ -153,7 +176,8 @@ class StepSkipper:
         if self.state is BatchState.SKIP_PENDING:
             self.state, self.found_inf = BatchState.SKIPPED, None
             return True
-        return False
+        # a manually optimized batch's later steps (another optimizer's) go with the one left out
+        return self.state is BatchState.SKIPPED
 
     @staticmethod
     def _leave_out(optimizer: torch.optim.Optimizer) -> None:

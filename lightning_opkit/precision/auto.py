@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_opkit.core.replay import loss_of
+from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.timing import sync
 from lightning_opkit.opclass import OP_CLASSES
@@ -137,11 +137,6 @@ class AutoPrecision:
 
     def _measure(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor],
                  **kwargs: Any) -> PrecisionMeasurements | None:
-        if not getattr(model, "automatic_optimization", True):
-            # Its training_step steps the optimizers itself: running it again would train on the batch again.
-            rank_zero_warn("PrecisionPolicy cannot measure a model with manual optimization (its training_step steps"
-                           " the optimizers); the policy keeps its table.")
-            return None
         try:
             return measure_precision(model, lambda: batch, device=model.device, loss_fn=loss_fn,
                                      loss_scale=self._loss_scale, **kwargs)
@@ -239,8 +234,8 @@ class AutoPrecision:
 
 
 def _loss_fn(training_step: Callable[..., Any], batch_idx: int) -> Callable[[torch.nn.Module, Any], Tensor]:
-    def loss_fn(model: torch.nn.Module, b: Any) -> Tensor:
-        loss = loss_of(training_step(b, batch_idx))
+    def loss_fn(model: Any, b: Any) -> Tensor:  # the LightningModule
+        loss = training_loss(model, b, batch_idx, training_step)
         if loss is None:
             raise ValueError("training_step returned no loss")
         return loss

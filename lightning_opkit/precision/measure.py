@@ -19,6 +19,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
 from lightning_opkit.core.replay import loss_of
+from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.precision.census import Census
 from lightning_opkit.precision.dtypes import GOVERNED, describe_device
@@ -31,7 +32,7 @@ __all__ = ["Measurement", "PrecisionMeasurements", "measure_precision"]
 
 def _default_loss(model: nn.Module, batch: Any) -> Tensor:
     if isinstance(model, pl.LightningModule):
-        out = model.training_step(batch, 0)
+        out = training_loss(model, batch, 0)
     elif isinstance(batch, dict):
         out = model(**batch)
     elif isinstance(batch, (list, tuple)):
