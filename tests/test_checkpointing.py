@@ -218,3 +218,26 @@ def test_a_recompute_runs_the_code_its_forward_ran_in_speed_trials_and_census_st
     assert first[2].watch.compiles == without[1].watch.compiles
     assert first[2].regions["model.encoder.layers.0"].speedup is not None  # the trial ran, eager calls included
     assert first[0].census  # census steps ran
+
+
+@pytest.mark.parametrize("save", [None, ["matmul"]])
+@pytest.mark.parametrize("name", list(CASES))
+def test_census_steps_inside_checkpointed_blocks_change_nothing(tmp_path, name, save):
+    # A census step recomputes 16-bit ops in fp32 beside the model: inside a checkpointed block that bookkeeping must
+    # neither be cached by the selective checkpoint (its outputs came back out of order in the recompute) nor saved
+    # for backward, and an in-place op (ReLU(inplace=True)) must not be run again in place on the caller's input.
+    def policy(census):
+        return PrecisionPolicy(rules={"matmul": "bf16", "activation": "bf16"}, check_speed=False,
+                               census_every_n_steps=census)
+
+    blocks = ["model." + CASES[name].blocks]
+    quiet, quiet_losses = _fit(tmp_path / "no_census", name, [ActivationCheckpointing(modules=blocks, save=save,
+                                                                                      measure=False), policy(0)],
+                               steps=3)
+    counted = policy(1)
+    model, losses = _fit(tmp_path / "census", name, [ActivationCheckpointing(modules=blocks, save=save,
+                                                                             measure=False), counted], steps=3)
+    assert losses == quiet_losses  # bit for bit: the census only watched
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), quiet.state_dict().values(),
+                                                  strict=True))
+    assert any(dtype == "bf16" for _, dtype in counted.census)  # and it did watch: the 16-bit rows it recorded

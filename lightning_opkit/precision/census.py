@@ -16,6 +16,7 @@ from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import rng_state, set_rng_state
 from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.torch_compat import outside_dispatch_modes
 from lightning_opkit.precision.dtypes import LOW
 
 # Arguments an op updates in place (BatchNorm's running statistics): cast like inputs, the update would go into a
@@ -44,11 +45,13 @@ def fp32_reference(func: Callable[..., Any], args: tuple, kwargs: dict, rng: tup
         args = tuple(a.clone() if i in positions and isinstance(a, Tensor) else a for i, a in enumerate(args))
         kwargs = {k: v.clone() if k in names and isinstance(v, Tensor) else v for k, v in kwargs.items()}
     args = tuple(cast(a, torch.float32) for a in args)
-    kwargs = {k: cast(v, torch.float32) for k, v in kwargs.items()}
+    # never in place: an fp32 input is its own cast, and ``F.relu(x, inplace=True)`` again would change the caller's x
+    kwargs = {k: False if k == "inplace" else cast(v, torch.float32) for k, v in kwargs.items()}
     after = rng_state()
     set_rng_state(rng)
     try:
-        with torch.no_grad(), autocast_off():
+        # outside dispatch modes: a selective activation checkpoint around the op would cache this run too
+        with torch.no_grad(), autocast_off(), outside_dispatch_modes():
             return func(*args, **kwargs)
     except Exception:  # an op that only exists for its low-precision inputs: no reference, no error figure
         return None
@@ -105,7 +108,10 @@ class Census:
             override: whether a module override, not the class rule, decided its dtype.
             ref: the fp32 recompute of the op, or ``None``.
         """
-        refs = local_floats(ref) if ref is not None else []
+        with torch.no_grad():  # bookkeeping: inside an activation checkpoint, nothing here may be saved for backward
+            self._record(cls, out, override, local_floats(ref) if ref is not None else [])
+
+    def _record(self, cls: str, out: Any, override: bool, refs: list[Tensor]) -> None:
         for i, t in enumerate(local_floats(out)):
             key = (cls, t.dtype, override)
             self.calls[key] = self.calls.get(key, 0) + 1
