@@ -86,3 +86,14 @@ def test_whole_step_arguments_parse_from_the_cli():
                              "--callbacks.whole_step=false", "--callbacks.trial_rounds=3"])
     policy = parser.instantiate_classes(cfg).callbacks[0]
     assert (policy.rules, policy.whole_step, policy.trial_rounds) == ("auto", False, 3)
+
+
+@pytest.mark.parametrize("cls", [NaNDetector, TorchCompile, ActivationCheckpointing])
+def test_an_empty_module_list_is_refused_alike(cls):
+    with pytest.raises(ValueError, match=r"^`modules` is an empty list, which would match no module; use None"):
+        cls(modules=[])
+
+
+def test_an_unknown_operator_class_is_named_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"^Expected `save` to be one of \['matmul', .*'other'\], but got 'nosuch'$"):
+        ActivationCheckpointing(save=["nosuch"])

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_opkit.checkpointing.region import CheckpointedForward
 from lightning_opkit.core.callback import OpkitCallback
-from lightning_opkit.core.checks import check_bools, check_choice, check_int
+from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
@@ -72,8 +72,8 @@ class ActivationCheckpointing(OpkitCallback):
     without it need the memory checkpointing frees: leave ``measure=False`` where they would not fit.
 
     Args:
-        modules: ``"auto"``: the model's repeated blocks (children of a ``ModuleList``/``Sequential`` sharing a class);
-            else globs over ``named_modules()`` names (the outermost matches are checkpointed).
+        modules: ``None`` (or ``"auto"``): the model's repeated blocks (children of a ``ModuleList``/``Sequential``
+            sharing a class); else globs over ``named_modules()`` names (the outermost matches are checkpointed).
         save: operator classes whose outputs are kept (selective checkpointing); ``None``: keep only the blocks'
             inputs.
         measure: measure the bytes saved and the time it costs, once.
@@ -88,18 +88,20 @@ class ActivationCheckpointing(OpkitCallback):
 
     def __init__(
         self,
-        modules: Union[Literal["auto"], list[str]] = "auto",
+        modules: Union[Literal["auto"], list[str], None] = "auto",
         save: Optional[list[str]] = None,
         measure: bool = True,
         measure_steps: int = 3,
     ) -> None:
         super().__init__()
-        if modules != "auto" and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
-            raise ValueError(f"`modules` must be 'auto' or a list of globs, got {modules!r}")
+        if modules is None:
+            modules = "auto"
+        elif modules != "auto":
+            check_globs("modules", modules)
         if save is not None and not isinstance(save, list):
-            raise ValueError(f"`save` must be a list of operator classes or None, got {save!r}")
+            raise ValueError(f"Expected `save` to be a list of operator classes or None, but got {save!r}")
         for name in save or []:
-            check_choice("save", name, OP_CLASSES, "an operator class")
+            check_choice("save", name, OP_CLASSES)
         check_bools(measure=measure)
         check_int("measure_steps", measure_steps, 1)
         self.modules = modules if modules == "auto" else list(modules)
