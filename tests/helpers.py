@@ -270,3 +270,14 @@ class SkewedAuto(PrecisionPolicy):
             return measurements
 
         self._auto._measure = skewed
+
+
+class SaveAt(pl.Callback):
+    """Saves a checkpoint mid-run, at the end of the batch that brings ``global_step`` to ``step``."""
+
+    def __init__(self, step: int, path) -> None:
+        self.step, self.path = step, str(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)

@@ -7,7 +7,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import read_events
+from helpers import SaveAt, TinyNet, make_loader, read_events, trainer
 from zoo import MOE, ZooModule, _mixtral
 
 from lightning_opkit import NaNDetector
@@ -111,3 +111,35 @@ def test_the_grouped_gemm_transformers_runs_under_torch_compile_is_matmul_too():
     assert classify_function(torch.ops.transformers.grouped_mm_fallback.default) == "matmul"
     assert classify_profiler_event("transformers::grouped_mm_fallback") == "matmul"
     assert classify_profiler_event("transformers::_grouped_mm_fallback_backward") == "matmul"
+
+
+class WithUnusedLayer(TinyNet):
+    """TinyNet with a layer the forward never calls: it never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 4)
+
+
+def _dead_run(tmp_path, name, steps, save_at, ckpt=None):
+    torch.manual_seed(0)
+    detector, model = NaNDetector(dead_after=3), WithUnusedLayer()
+    run = trainer(tmp_path / name, [detector, SaveAt(save_at, tmp_path / f"{name}.ckpt")], max_steps=steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(model, make_loader(), ckpt_path=ckpt)
+    named = [str(w.message) for w in caught if "no gradient over 3 checked steps" in str(w.message)]
+    return detector, named
+
+
+def test_dead_parameter_counts_and_findings_resume_from_a_checkpoint(tmp_path):
+    # two checked steps without a gradient, then a resume: the third (step 2) names it, counted from step 0
+    _dead_run(tmp_path, "first", 6, save_at=2)
+    detector, named = _dead_run(tmp_path, "resumed", 6, save_at=4, ckpt=tmp_path / "first.ckpt")
+    assert [(d.parameter, d.since) for d in detector._dead.found] == [("unused.weight", 0), ("unused.bias", 0)]
+    assert len(named) == 1
+    # resumed again after it was named: kept, and not named a second time
+    detector, named = _dead_run(tmp_path, "again", 6, save_at=-1, ckpt=tmp_path / "resumed.ckpt")
+    assert [d.parameter for d in detector._dead.found] == ["unused.weight", "unused.bias"]
+    assert named == []
+    assert "2 parameter(s) or expert(s)" in "\n".join(detector.summary_lines())

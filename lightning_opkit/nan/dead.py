@@ -12,6 +12,7 @@ own) and one more flag in the check's one ``all_reduce``: the counts are read on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,25 @@ class DeadWatch:
         self._param_names: dict[int, str] = {}
         self._fused: set[str] = set()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: what was named, and every count, so a resumed run continues them."""
+        return {"found": [dataclasses.asdict(d) for d in self.found],
+                "reported": sorted([name, expert] for name, expert in self._reported),
+                "missing": dict(self._missing), "since": dict(self._since), "step": self._step,
+                "names": list(self._names), "counts": None if self._counts is None else self._counts.tolist(),
+                "experts": {name: counts.tolist() for name, counts in self._experts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (the counts come back on the CPU and move to the gradients' device)."""
+        self.found = [Dead(**d) for d in state.get("found", [])]
+        self._reported = {(name, expert) for name, expert in state.get("reported", [])}
+        self._missing, self._since = dict(state.get("missing", {})), dict(state.get("since", {}))
+        self._step = int(state.get("step", 0))
+        self._names = tuple(state.get("names", ()))
+        counts = state.get("counts")
+        self._counts = None if counts is None else torch.tensor(counts, dtype=torch.float32)
+        self._experts = {name: torch.tensor(c, dtype=torch.float32) for name, c in state.get("experts", {}).items()}
+
     def start(self, model: nn.Module) -> None:
         """At a fit's setup: the parameters' names, and which are fused expert weights."""
         owners = dict(model.named_modules())
@@ -125,6 +145,8 @@ class DeadWatch:
         device = norms.device if norms is not None else torch.device("cpu")
         if norms is None or names != self._names or self._counts is None:
             self._names, self._counts = names, torch.zeros(len(names), device=device)
+        elif self._counts.device != device:  # restored from a checkpoint
+            self._counts = self._counts.to(device)
         if norms is not None:
             self._counts.add_(1).mul_(norms == 0)
         # flagged at the step a count reaches ``after``, not after: the counts are read once per parameter that dies
@@ -135,6 +157,8 @@ class DeadWatch:
                 counts = self._experts.get(name)
                 if counts is None or counts.shape != zero.shape:
                     counts = self._experts[name] = torch.zeros(zero.shape, device=zero.device)
+                elif counts.device != zero.device:  # restored from a checkpoint
+                    counts = self._experts[name] = counts.to(zero.device)
                 counts.add_(1).mul_(zero)
                 tops.append((counts == self.after).any())
         host = any(c == self.after for c in self._missing.values())

@@ -341,7 +341,8 @@ class NaNDetector(OpkitCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"events": self.events, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
-                "repairs": dict(self._repairs.pinned), "spikes": self._spikes.state_dict()}
+                "repairs": dict(self._repairs.pinned), "spikes": self._spikes.state_dict(),
+                "dead": self._dead.state_dict() if self._dead is not None else {}}
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -359,6 +360,8 @@ class NaNDetector(OpkitCallback):
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
         self._repairs.pinned = dict(state_dict.get("repairs", {}))  # pinned again at the fit's start
         self._spikes.load_state_dict(state_dict.get("spikes", {}))
+        if self._dead is not None:
+            self._dead.load_state_dict(state_dict.get("dead", {}))
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """One chart: events, skipped steps, consecutive skips."""
