@@ -128,3 +128,46 @@ def test_out_of_memory_prints_the_last_windows_memory_and_the_lever(tmp_path, ca
         assert "out of memory: ProfilerWindows(memory=True) shows which blocks hold the activations" in out
     assert windows.snapshot_file is None  # CUDA's history only: on a CPU, warned at setup and nothing written
     assert "memory snapshot:" not in out
+
+
+class _MLP(pl.LightningModule):
+    """The MLP of issue 36's report: 64-512-256-4 on batches of 512."""
+
+    def __init__(self, optimizer: str):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
+                                       torch.nn.ReLU(), torch.nn.Linear(256, 4))
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters())
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_cpu_peak_counts_the_step_under_any_optimizer_and_names_the_step_probed(tmp_path):
+    # Lightning runs forward and backward inside optimizer.step: summed per op, Adam's step was charged the frees of
+    # the whole forward and backward at its start, and the peak came out below the activations the step held.
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(512 * 6, 64, generator=g), torch.randint(0, 4, (512 * 6,), generator=g)), batch_size=512)
+    reports = {}
+    for optimizer in ("sgd", "adam"):
+        windows = ProfilerWindows(every_n_steps=4, warmup=1, active=2, memory=True)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, callbacks=[windows],
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=str(tmp_path))
+        trainer.fit(_MLP(optimizer), data)
+        reports[optimizer] = windows.memory_report
+        assert windows.memory_report.step == 4  # the window's first step, probed; it ended at step 6
+        assert "memory (step 4)" in "\n".join(windows.summary_lines())
+    for report in reports.values():
+        assert report.peak >= report.activations > 0
+    assert reports["adam"].optimizer > 0 == reports["sgd"].optimizer
+    # the same forward and backward, the same allocations above what the window began with (the optimizer's state
+    # is older than the window)
+    assert reports["adam"].peak >= 0.9 * reports["sgd"].peak

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["outside_dispatch_modes"]
+__all__ = ["cpu_memory_events", "outside_dispatch_modes"]
 
 
 @contextlib.contextmanager
@@ -30,3 +31,24 @@ def outside_dispatch_modes() -> Iterator[None]:
     """
     with _disable_current_modes():
         yield
+
+
+def cpu_memory_events(prof: Any) -> list[tuple[int, int]] | None:
+    """Every CPU allocation (positive bytes) and free (negative) a profiler run recorded, as ``(time in ns, bytes)``.
+
+    The raw records, each at its own time: a ``FunctionEvent``'s memory figures are summed over the op and charged at
+    its start, and an op that encloses the step (``Optimizer.step`` around Lightning's closure) is charged the frees of
+    the whole forward and backward before they ran. ``None`` where the profiler keeps no such records.
+
+    Args:
+        prof: a stopped ``torch.profiler.profile`` run with ``profile_memory=True``.
+    """
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        return None
+    out = []
+    for event in results.events():
+        if event.name() == "[memory]" and str(event.device_type()).endswith("CPU"):
+            start = event.start_ns() if hasattr(event, "start_ns") else 1000 * event.start_us()
+            out.append((int(start), int(event.nbytes())))
+    return out

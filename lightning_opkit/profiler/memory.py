@@ -132,13 +132,13 @@ class MemoryProbe:
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
         >>> probe = MemoryProbe(net, blocks=["1"])
-        >>> probe.begin()
+        >>> probe.begin(step=0)
         >>> loss = net(torch.ones(4, 8, requires_grad=True)).sum()
         >>> probe.forward_done()
         >>> loss.backward()
-        >>> report = probe.report([], step=0)
-        >>> report.parameters, report.gradients, report.activations_by_module["1"]
-        (576, 576, 256)
+        >>> report = probe.report([])
+        >>> report.parameters, report.gradients, report.activations_by_module["1"], report.step
+        (576, 576, 256, 0)
     """
 
     def __init__(self, model: nn.Module, blocks: list[str]) -> None:
@@ -149,9 +149,15 @@ class MemoryProbe:
         self._hooks: list[Any] = []
         self._gradients = -1
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.step = -1
 
-    def begin(self) -> None:
-        """The probed step starts: count what is saved, time each block's forward."""
+    def begin(self, step: int) -> None:
+        """The probed step starts: count what is saved, time each block's forward.
+
+        Args:
+            step: its global step (the report's, whatever step the window ends at).
+        """
+        self.step = step
         self._counting = self.saved.counting(attribute=True)
         self._counting.__enter__()
         for path in self.blocks:
@@ -179,7 +185,7 @@ class MemoryProbe:
         """Before the optimizer step: the gradients' bytes are read now (zero_grad may free them after)."""
         self._gradients = tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
 
-    def report(self, optimizers: list[torch.optim.Optimizer], step: int, peak: int | None = None,
+    def report(self, optimizers: list[torch.optim.Optimizer], peak: int | None = None,
                checkpointed: dict[str, list[str]] | None = None) -> MemoryReport:
         """What was probed, and the bytes of the parameters and the optimizers' state now."""
         self.forward_done()
@@ -196,7 +202,7 @@ class MemoryProbe:
         times = {p: c.seconds(wait=True)[-1] for p, c in self._clocks.items() if c.seconds(wait=True)}
         return MemoryReport(tensor_bytes(self.model.parameters()), self._gradients, tensor_bytes(state),
                             self.saved.activations, peak, dict(self.saved.by_module), by_class, by_block, times,
-                            step, dict(checkpointed or {}))
+                            self.step, dict(checkpointed or {}))
 
     def close(self) -> None:
         """Stop whatever is still open (an exception mid-step)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.autograd import DeviceType
 
+from lightning_opkit.core.torch_compat import cpu_memory_events
 from lightning_opkit.opclass import NO_ARITHMETIC, OP_CLASSES, classify_profiler_event, is_framework_event
 
 
@@ -190,12 +191,13 @@ def peak_cpu_memory(prof: Any) -> float:
     Args:
         prof: a stopped profiler run with ``profile_memory=True``.
     """
-    # Allocations are charged to the op that made them (self usage, so nested ops are not counted twice);
-    # frees outside any op arrive as "[memory]" events.
-    deltas = sorted(
-        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-        for e in prof.events()
-    )
+    deltas = cpu_memory_events(prof)
+    if deltas is None:
+        # Without the raw records: allocations charged to the op that made them (self usage, so nested ops are not
+        # counted twice), frees outside any op as "[memory]" events; an enclosing op's frees come too early here.
+        deltas = [(e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                  for e in prof.events()]
+    deltas.sort()
     running = peak = 0
     for _, delta in deltas:
         running += delta

@@ -262,7 +262,7 @@ class ProfilerWindows(OpkitCallback):
             self._window = Window(self.every_n_steps, self.warmup, self.active, self._profile_options)
             if self.memory and trainer.training:
                 self._probe = MemoryProbe(pl_module, self._blocks)
-                self._probe.begin()
+                self._probe.begin(trainer.global_step)
         if self._window is not None:
             self._window.begin_batch(window_phase(batch_no, self.every_n_steps, self.warmup, self.active)[1])
 
@@ -326,8 +326,8 @@ class ProfilerWindows(OpkitCallback):
             self._roofline_report(trainer, window, report)
         if self._probe is not None:
             peak = float(torch.cuda.max_memory_allocated()) if window.uses_cuda else report.peak_memory_bytes
-            self.memory_report = self._probe.report(trainer.optimizers, trainer.global_step,
-                                                    None if peak is None else int(peak), facts_of(trainer).checkpointed)
+            self.memory_report = self._probe.report(trainer.optimizers, None if peak is None else int(peak),
+                                                    facts_of(trainer).checkpointed)
         step = trainer.global_step
         export_s = None
         if self.export_trace:
