@@ -9,7 +9,7 @@ from helpers import read_events, snapshot
 from torch.utils._python_dispatch import TorchDispatchMode
 from zoo import CASES, build
 
-from lightning_opkit import ActivationCheckpointing, PrecisionPolicy, TorchCompile
+from lightning_opkit import ActivationCheckpointing, PrecisionPolicy, ProfilerWindows, TorchCompile
 from lightning_opkit.core.saved import SavedBytes
 
 
@@ -241,3 +241,37 @@ def test_census_steps_inside_checkpointed_blocks_change_nothing(tmp_path, name, 
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), quiet.state_dict().values(),
                                                   strict=True))
     assert any(dtype == "bf16" for _, dtype in counted.census)  # and it did watch: the 16-bit rows it recorded
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_whole_model_compile_governs_and_checkpoints_batchnorm_blocks(tmp_path, backend):
+    # Traced whole, a checkpointed block is a higher-order operator the policy's mode used to hand on unentered
+    # (its convolution met a bf16 input and fp32 weights); under the "eager" backend a traced checkpoint that updates
+    # BatchNorm's buffers fails in backward, so those blocks are checkpointed outside the graph instead.
+    def callbacks(compiled):
+        policy = PrecisionPolicy(rules={"conv": "bf16"}, check_speed=False, census_every_n_steps=0)
+        checkpointing = ActivationCheckpointing(modules=["model.layers.*"], measure=False)
+        return [policy, checkpointing, *([TorchCompile(backend=backend, fallback=False)] if compiled else [])]
+
+    eager_model, eager_losses = _fit(tmp_path / "eager", "bn_cnn", callbacks(False), steps=4)
+    compiled = callbacks(True)
+    model, losses = _fit(tmp_path / "compiled", "bn_cnn", compiled, steps=4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    assert compiled[2].watch.frames > 0
+    assert compiled[1].untraced == (["model.layers.0", "model.layers.1"] if backend == "eager" else [])
+    assert ("outside the compiled graph" in compiled[1].summary_lines()[0]) == (backend == "eager")
+    for name, buffer in model.named_buffers():  # BatchNorm's statistics updated once per step, as eagerly
+        torch.testing.assert_close(buffer, dict(eager_model.named_buffers())[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_graph_break_around_a_compiled_checkpoint_recomputes_in_the_forward_dtypes(tmp_path):
+    # The memory view's saved-tensor hooks make dynamo run a traced checkpoint call eagerly; its recompute then ran
+    # the block's Python without the policy's mode (fp32 where the forward ran bf16) and backward failed.
+    def callbacks(windows):
+        return [PrecisionPolicy(rules={"matmul": "bf16"}, check_speed=False, census_every_n_steps=5),
+                *([ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory=True)] if windows else []),
+                ActivationCheckpointing(modules=["model.blocks.*"], measure=False), TorchCompile(backend="eager")]
+
+    _, plain = _fit(tmp_path / "plain", "torch_mha", callbacks(False), steps=6)
+    _, losses = _fit(tmp_path / "probed", "torch_mha", callbacks(True), steps=6)
+    assert losses == plain

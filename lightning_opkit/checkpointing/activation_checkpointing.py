@@ -20,6 +20,7 @@ from lightning_opkit.checkpointing.region import CheckpointedForward
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
 from lightning_opkit.core.facts import facts_of
+from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.timing import StepClock
@@ -112,6 +113,8 @@ class ActivationCheckpointing(OpkitCallback):
         self.checkpointed: list[str] = []
         #: the measured price, once measured
         self.price: Price | None = None
+        #: blocks whose checkpoint runs outside the compiled graph (TorchCompile's "eager" backend, blocks with buffers)
+        self.untraced: list[str] = []
         self._regions: list[CheckpointedForward] = []
         self._found: list[tuple[str, torch.nn.Module]] = []
         self._clock = StepClock()
@@ -137,6 +140,9 @@ class ActivationCheckpointing(OpkitCallback):
             p = self.price
             line += (f"; saved activations {p.saved_without / 2**20:.1f} -> {p.saved_with / 2**20:.1f} MB"
                      f" ({p.cut:.0%} less), step time x{p.time_ratio:.2f}")
+        if self.untraced:
+            line += (f"; {len(self.untraced)} block(s) with buffers checkpointed outside the compiled graph (torch's"
+                     " 'eager' backend fails on a traced checkpoint that updates buffers)")
         return [line]
 
     # lifecycle
@@ -156,8 +162,15 @@ class ActivationCheckpointing(OpkitCallback):
             return
         targets, self._found = self._found, []
         self._regions = []
-        for _, module in targets:
+        eager_backend = any(c.backend == "eager" for c in offering(trainer, CompilesRegions))
+        self.untraced = []
+        for name, module in targets:
             region = CheckpointedForward(module, module.forward, tuple(self.save or ()))
+            if eager_backend and region.buffers:
+                # torch's "eager" backend runs a traced checkpoint whose forward updates buffers (BatchNorm's
+                # num_batches_tracked) into a version-counter error in backward; eagerly, the checkpoint is right
+                region.traced = False
+                self.untraced.append(name)
             self._patches.set(module, "forward", region)
             self._regions.append(region)
         self.checkpointed = [name for name, _ in targets]

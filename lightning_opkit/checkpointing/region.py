@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_opkit.core.recompute import RECOMPUTING
+from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.opclass import classify_name
 
 __all__ = ["CheckpointedForward", "save_policy"]
@@ -50,6 +51,10 @@ def save_policy(save: tuple[str, ...]) -> Callable[..., CheckpointPolicy]:
         return CheckpointPolicy.MUST_SAVE if _class_of(op) in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Kept(TorchDispatchMode):
@@ -87,6 +92,12 @@ def _again(modes: list[Any], inner: Any, buffers: list[torch.Tensor]) -> Iterato
                 buffer.copy_(value)
 
 
+@torch._dynamo.disable
+def _outside_the_graph(region: CheckpointedForward, args: tuple, kwargs: dict) -> Any:
+    """The checkpointed forward run eagerly in a compiled model: dynamo breaks the graph around this call."""
+    return region(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _both(first: Any, second: Any) -> Iterator[None]:
     with first, second:
@@ -115,8 +126,22 @@ class CheckpointedForward:
         self.policy = save_policy(save) if save else None
         #: off: the forward runs as written (a measurement step without checkpointing, an eval step)
         self.enabled = True
+        #: off: under compile, the checkpoint runs outside the graph (a graph break), as it runs eagerly
+        self.traced = True
         #: while measuring: told of every output a selective checkpoint keeps (what it holds besides the inputs)
         self.note_kept: Callable[[Any], None] | None = None
+
+        def context_fn() -> tuple[Any, Any]:
+            if SUSPENDED.depth or torch.compiler.is_compiling():
+                # Compiled code runs the region (TorchCompile's backend) and recomputes it from its own graph, where
+                # a precision policy's casts are nodes already: only the save policy goes along. Always one: torch
+                # before 2.13 ran a compiled checkpoint without a context function as a plain run that saved all.
+                return create_selective_checkpoint_contexts(self.policy or _recompute_all)
+            # A graph break ran this traced call eagerly after all (the memory view's saved-tensor hooks make one):
+            # the recompute then runs the module's Python again and needs the forward's modes, as below.
+            return self._contexts()
+
+        self._context_fn = context_fn
 
     def _contexts(self) -> tuple[Any, Any]:
         modes = list(_get_current_function_mode_stack())
@@ -132,11 +157,9 @@ class CheckpointedForward:
         if not (self.enabled and torch.is_grad_enabled()) or RECOMPUTING:
             return self.original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            # Compiled (TorchCompile attached after this callback): dynamo traces the checkpoint as one region and
-            # recomputes it inside its own backward graph, where no Python runs: a precision policy's casts are in
-            # the graph already, so only the selective policy goes along, in the one form dynamo accepts.
-            if self.policy is None:
-                return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
-            return checkpoint(self.original, *args, use_reentrant=False,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts, self.policy), **kwargs)
+            if not self.traced:
+                return _outside_the_graph(self, args, kwargs)
+            # Compiled (TorchCompile attached after this callback): dynamo traces the checkpoint as one region, and
+            # its context function (a plain function, the form dynamo keeps) runs where the traced region runs.
+            return checkpoint(self.original, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
         return checkpoint(self.original, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)

@@ -57,9 +57,13 @@ class HearsOfFailure(Protocol):
 
 @runtime_checkable
 class CompilesRegions(Protocol):
-    """Compiles parts of the model (``compiled`` holds their paths): each table a policy tries would recompile."""
+    """Compiles parts of the model (``compiled`` holds their paths): each table a policy tries would recompile.
+
+    ``backend`` names the ``torch.compile`` backend (``"inductor"``, ``"eager"``, ...).
+    """
 
     compiled: list[str]
+    backend: str
 
 
 def members(trainer: pl.Trainer) -> list[Member]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +42,9 @@ class ModeState:
 
 
 _INFO: dict[Any, tuple[str, bool]] = {}
-_PASS = frozenset(NEVER_CAST)
+#: what a higher-order operator is to the mode: no op of a class, but a body of ops to govern
+_BODY = "higher-order operator"
+_PASS = frozenset((*NEVER_CAST, _BODY))
 # Op names that draw random numbers (by name, as a ``TorchFunctionMode`` receives them)
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
 
@@ -57,6 +61,9 @@ def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
         pass
     except TypeError:
         return function_info(func)
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        _INFO[func] = (_BODY, False)
+        return _INFO[func]
     cls, inplace = function_info(func)
     random = any(word in (getattr(func, "__name__", "") or "") for word in _RANDOM)
     info = _INFO[func] = ("other" if random else cls), inplace
@@ -110,6 +117,8 @@ class PolicyMode(TorchFunctionMode):
         except (KeyError, TypeError):
             cls, inplace = policy_info(func)
         if cls in _PASS or SUSPENDED.depth:
+            if cls == _BODY and not SUSPENDED.depth:
+                return self._body(func, args, kwargs or {})
             return func(*args, **(kwargs or {}))
         state = self.state
         if state.census is not None:
@@ -147,7 +156,9 @@ class PolicyMode(TorchFunctionMode):
         """The general path: traced under compile, and eagerly for census steps and ops that update their args."""
         state = self.state
         cls, inplace = _traced_function_info(func)
-        if cls in NEVER_CAST or SUSPENDED.depth:
+        if cls == _BODY and not SUSPENDED.depth:
+            return self._body(func, args, kwargs)
+        if cls in _PASS or SUSPENDED.depth:
             return func(*args, **kwargs)
         stack = state.module_stack
         if state.autocast_devices and not stack and not torch.is_autocast_enabled(state.autocast_devices[0]):
@@ -169,6 +180,27 @@ class PolicyMode(TorchFunctionMode):
                 ref = fp32_reference(func, given_args, given_kwargs, rng)
             census.record(cls, out, bool(stack), ref)
         return out
+
+    def _body(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A higher-order operator (dynamo's checkpoint, ``cond``, flex attention): its body's ops are governed too.
+
+        A mode handling a call stands aside until it returns; the operator itself has nothing to cast, but the ops
+        of the Python it runs do (a checkpointed block traced whole: its convolution met a 16-bit input and fp32
+        weights). Entered again around the call, the mode would be handed the same call again; so the functions the
+        operator runs enter it themselves.
+        """
+        return func(*(self._entering(a) for a in args), **kwargs)
+
+    def _entering(self, value: Any) -> Any:
+        if not isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            return value
+
+        @functools.wraps(value)
+        def governed(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return value(*args, **kwargs)
+
+        return governed
 
     def _cast_and_run(self, func: Callable[..., Any], args: tuple, kwargs: dict, dtype: torch.dtype,
                       compiling: bool) -> Any:
