@@ -134,7 +134,7 @@ def hold_fp32(patches: Patches, module: nn.Module, *, weights: bool, cast_back: 
 def in_fp32(module: nn.Module, *, weights: bool, cast_back: bool = True) -> Iterator[None]:
     """Inside, ``module`` runs in fp32 (:func:`hold_fp32`); a replay's question "is it finite in fp32?".
 
-    A forward hook of the caller's registered with ``prepend=True`` before this sees the fp32 outputs.
+    A forward hook the caller registered before this sees the fp32 outputs (the cast back is the hook after it).
 
     Args:
         module: the module.

@@ -74,8 +74,9 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Or
     outputs: list[Tensor] = []
     with contextlib.ExitStack() as stack:
         if culprit is not None and found.phase == "forward":
-            # First of its forward hooks: it sees the fp32 outputs before they are cast back for the next modules.
-            handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(local_floats(out)), prepend=True)
+            # After the module's own forward hooks (the localization saw the output they hand on, which a user's
+            # hook may change) and before the fp32 region's, which casts it back for the next modules.
+            handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(local_floats(out)))
             stack.callback(handle.remove)
         if fp32:
             for policy in policies:

@@ -411,12 +411,12 @@ class NaNDetector(OpkitCallback):
         if pl_module.automatic_optimization:
             self._skipper.wrap_scheduler_step(pl_module, interval_of)
         else:  # the user's training_step steps the schedulers itself
-            for config in trainer.lr_scheduler_configs:
-                self._skipper.wrap_scheduler(config.scheduler)
+            self._skipper.watch_schedulers([(c.scheduler, c.scheduler.optimizer) for c in trainer.lr_scheduler_configs])
         if self.decide == "device":
             _check_device_decision(trainer)
         for optimizer in trainer.optimizers:
             self._skipper.wrap_optimizer(optimizer)
+        self._skipper.watch_scaler(getattr(trainer.precision_plugin, "scaler", None))
         self._repairs.apply_all(pl_module, _pinner(trainer))  # a resumed run keeps its pins
         facts_of(trainer).repairs.update(self._repairs.pinned)
 
@@ -426,6 +426,8 @@ class NaNDetector(OpkitCallback):
         self._stepped = False
         self._late = None
         self._skipper.state, self._skipper.found_inf = BatchState.UNCHECKED, None
+        self._skipper.watch_schedulers([])
+        self._skipper.watch_scaler(None)
         self._repairs.release()
 
     # the cheap per-step path: hooks -> check
@@ -485,7 +487,8 @@ class NaNDetector(OpkitCallback):
                 self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, scores)
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and grad_bad and not loss_bad:
+        if scaler is not None and grad_bad and not loss_bad and not self._replays.forward_fault(trainer, pl_module,
+                                                                                                 pending):
             # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale. Its scale
             # is read (a sync) only on such a step, already found non-finite.
             self._skipper.state = BatchState.SCALER_SKIP

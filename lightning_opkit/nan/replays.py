@@ -103,17 +103,34 @@ class Replays:
         unseen = Origin(phase="loss" if loss_bad else "backward", module=None)
         return self.new_report(trainer, batch_idx, unseen, not_reproduced(ran_compiled(trainer)), 0)
 
+    def forward_fault(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[MicroBatch]) -> bool:
+        """Whether a module's forward output went non-finite on some rank: forward-only replays.
+
+        Under a GradScaler, non-finite gradients beside a finite loss are usually the scaled backward overflowing,
+        which the scaler handles; but loss scaling cannot make a forward activation non-finite (one the loss never
+        reads, as the last position's logits of a language model), so that is a fault of its own.
+        """
+        if not self.forward:
+            return False
+        ranks, resume_rng = Ranks(pl_module.device), rng_state()
+        try:
+            return self.first_seen(trainer, pl_module, pending, ranks, forward_only=True) is not None
+        finally:
+            set_rng_state(resume_rng)
+
     def first_seen(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[MicroBatch],
-                   ranks: Ranks, scale: float | None = None) -> tuple[MicroBatch, Origin, int] | None:
+                   ranks: Ranks, scale: float | None = None,
+                   forward_only: bool = False) -> tuple[MicroBatch, Origin, int] | None:
         """Replay micro-batches until one rank reproduces the fault: the micro-batch, the origin, that rank.
 
-        With ``scale``, the loss is scaled as the GradScaler scaled the step's, and backward alone is watched.
+        With ``scale``, the loss is scaled as the GradScaler scaled the step's, and backward alone is watched; with
+        ``forward_only``, the forward alone.
         """
         for micro in pending:
             origins = ranks.gather(locate(
                 pl_module, self.step_loss(trainer, pl_module, micro, scale=scale), micro.rng, modules=self.hooked,
-                forward=self.forward and scale is None, backward=self.backward,
-                loss=self.loss and scale is None, any_rank=ranks.any))
+                forward=self.forward and scale is None, backward=self.backward and not forward_only,
+                loss=self.loss and scale is None and not forward_only, any_rank=ranks.any))
             seen = [(o.seq, r) for r, o in enumerate(origins) if o is not None]
             if seen:
                 culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie

@@ -8,17 +8,20 @@ Per batch the :class:`StepSkipper` moves through :class:`BatchState`:
   backward, the check) and then leaves the step itself out, sets every gradient to ``None`` (with accumulation they
   would add up), and the state becomes ``SKIPPED``.
 - ``SKIPPED``: the step was left out; a step-interval LR scheduler does not advance (epoch ones do). Under manual
-  optimization the batch's later optimizer steps are left out too (a step may step several optimizers), and so is
-  every LR scheduler step the user's ``training_step`` takes in the batch.
+  optimization the batch's later optimizer steps are left out too (a step may step several optimizers), and the LR
+  schedules the user's ``training_step`` stepped in the batch are put back at its end.
 - ``SCALER_SKIP``: fp16 loss scaling overflowed on purpose; the GradScaler skips the step itself and lowers its
   scale, and the LR scheduler does not advance either.
 
-The buffers are put back (:meth:`StepSkipper.restore_buffers`) whatever the action, so a caught ``NonFiniteError``
+Under a GradScaler, a step the detector leaves out also leaves the scaler's scale as it was (the scaler saw the bad
+gradients too and would lower it as for an overflow). The buffers are put back (:meth:`StepSkipper.restore_buffers`)
+whatever the action, so a caught ``NonFiniteError``
 leaves a model that still evaluates. Weights, optimizer state and the LR are untouched because no step ran.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable
 from typing import Any
@@ -63,8 +66,11 @@ class StepSkipper:
 
     def __init__(self, patches: Patches) -> None:
         self.state = BatchState.UNCHECKED
-        self.in_batch = False
         self._patches = patches
+        self._schedulers: list[tuple[Any, torch.optim.Optimizer]] = []
+        self._scaler: Any = None
+        self._scaler_state: list[Tensor] = []
+        self._schedules: list[tuple[Any, dict[str, Any], list[dict[str, Any]]]] = []
         self._buffers: list[Tensor] = []
         self._saved: list[Tensor] = []
         #: with ``decide="device"``: this step's flag (a 0-d tensor), handed to the next optimizer step's ``found_inf``
@@ -78,7 +84,10 @@ class StepSkipper:
     def begin_batch(self, checking: bool, save_buffers: bool) -> None:
         """At a batch's start: checked or not; save the buffers when a new optimizer step begins."""
         self.state = BatchState.CHECKING if checking else BatchState.UNCHECKED
-        self.in_batch = True
+        if checking and self._schedulers:
+            self._save_schedules()
+        if checking and self._scaler is not None:
+            self._scaler_state = [t.clone() for t in self._scaler_tensors()]
         if checking and save_buffers and self._buffers:
             # One multi-tensor copy into storage allocated once, no host sync: BatchNorm statistics are written in
             # the forward, before any check can run.
@@ -87,8 +96,14 @@ class StepSkipper:
             torch._foreach_copy_(self._saved, self._buffers)
 
     def end_batch(self) -> None:
-        """At a batch's end: LR scheduler steps taken from now on (an epoch's) are not the batch's."""
-        self.in_batch = False
+        """At a batch's end: under manual optimization, a left-out step's LR schedules put back."""
+        skipped = self.state in (BatchState.SKIP_PENDING, BatchState.SKIPPED)
+        if self._schedules and self.step_left_out:
+            self._restore_schedules()
+        if self._scaler_state and skipped:
+            # the GradScaler saw the bad gradients too and lowered its scale: not for an overflow, so put it back
+            torch._foreach_copy_(self._scaler_tensors(), self._scaler_state)
+        self._schedules, self._scaler_state = [], []
 
     def watch_buffers(self, buffers: list[Tensor]) -> None:
         """The buffers a skipped step puts back."""
@@ -125,20 +140,41 @@ class StepSkipper:
 
         self._patches.set(pl_module, "lr_scheduler_step", lr_scheduler_step)
 
-    def wrap_scheduler(self, scheduler: Any) -> None:
-        """Patch ``scheduler.step`` (manual optimization, where ``training_step`` steps it): held in a left-out batch.
+    def watch_scaler(self, scaler: Any) -> None:
+        """A GradScaler (or ``None``) whose scale and growth count a step left out by the detector puts back.
 
         Args:
-            scheduler: a torch LR scheduler.
+            scaler: the precision plugin's ``torch.amp.GradScaler``.
         """
-        original = scheduler.step
+        self._scaler, self._scaler_state = scaler, []
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if self.in_batch and self.step_left_out:
-                return None
-            return original(*args, **kwargs)
+    def _scaler_tensors(self) -> list[Tensor]:
+        # torch.amp.GradScaler's own state, made at its first scale(); the rest is rebuilt at every update()
+        tensors = (getattr(self._scaler, "_scale", None), getattr(self._scaler, "_growth_tracker", None))
+        return [t for t in tensors if isinstance(t, Tensor)]
 
-        self._patches.set(scheduler, "step", step)
+    def watch_schedulers(self, schedulers: list[tuple[Any, torch.optim.Optimizer]]) -> None:
+        """Under manual optimization, where ``training_step`` steps the LR schedulers: a left-out batch's are put back.
+
+        Their state and their optimizers' hyperparameters are saved at a checked batch's start and restored at its
+        end if its step was left out. (Patching ``scheduler.step`` instead would put the patch into the scheduler's
+        ``state_dict``, which a checkpoint cannot pickle.)
+
+        Args:
+            schedulers: ``(scheduler, its optimizer)`` pairs.
+        """
+        self._schedulers = list(schedulers)
+
+    def _save_schedules(self) -> None:
+        self._schedules = [(scheduler, copy.deepcopy(scheduler.state_dict()),
+                            [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
+                           for scheduler, opt in self._schedulers]
+
+    def _restore_schedules(self) -> None:
+        for (scheduler, state, groups), (_, opt) in zip(self._schedules, self._schedulers, strict=True):
+            scheduler.load_state_dict(state)
+            for group, saved in zip(opt.param_groups, groups, strict=True):
+                group.update(saved)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Patch ``optimizer.step``: the closure runs first, then the step unless it is to be left out."""

@@ -8,7 +8,7 @@ from lightning_opkit.core.checks import check_bools, check_fraction, check_int
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST
 
-__all__ = ["DEFAULT_RULES", "check_policy_args", "initial_table"]
+__all__ = ["AUTOCAST_DTYPE", "DEFAULT_RULES", "check_one_low_dtype", "check_policy_args", "initial_table"]
 
 #: GEMMs and GELU-like activations on Tensor Cores in bf16; variance, exponent and large-sum ops in fp32.
 DEFAULT_RULES: dict[str, str] = {
@@ -66,21 +66,30 @@ def _check_rules(rules: dict[Any, Any]) -> None:
             raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {list(DTYPES)}")
 
 
-def initial_table(rules: str | dict[str, str] | None, default: str) -> dict[str, str]:
+#: the 16-bit dtype a Trainer precision autocasts to: the one a policy's 16-bit classes must share with it
+AUTOCAST_DTYPE = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
+
+
+def initial_table(rules: str | dict[str, str] | None, default: str, low: str = "bf16") -> dict[str, str]:
     """Op class -> dtype name before anything is measured: every class in fp32 under ``"auto"``.
 
     Args:
         rules: as given to the policy.
         default: the dtype of classes neither ``rules`` nor :data:`DEFAULT_RULES` names.
+        low: the 16-bit dtype of :data:`DEFAULT_RULES`' lowered classes (``"fp16"`` under ``precision="16-mixed"``,
+            whose autocast runs the rest in fp16).
 
     Example:
         >>> initial_table({"norm": "bf16"}, "keep")["norm"], initial_table("auto", "keep")["matmul"]
         ('bf16', 'fp32')
+        >>> initial_table(None, "keep", low="fp16")["matmul"]
+        'fp16'
     """
     if rules == "auto":
         table = dict.fromkeys(GOVERNED, "fp32")
     else:
         table = {cls: DEFAULT_RULES.get(cls, default) for cls in OP_CLASSES}
+        table = {cls: low if name == "bf16" and cls in DEFAULT_RULES else name for cls, name in table.items()}
         table.update(rules or {})  # type: ignore[arg-type]
     table.update(dict.fromkeys(NEVER_CAST, "keep"))
     return table
@@ -105,3 +114,35 @@ def check_fp16(table: dict[str, str], fp16_modules: list[str], scaler: bool, pre
             f"{precision!r}) has no GradScaler. Use Trainer(precision='16-mixed') (its GradScaler scales"
             f" the loss), or run those in 'bf16', which has fp32's range."
         )
+
+
+def check_one_low_dtype(table: dict[str, str], overrides: dict[str, str], precision: str) -> None:
+    """Raise at setup when the policy would run a 16-bit dtype other than the one the Trainer autocasts to.
+
+    Under ``precision="16-mixed"`` autocast runs the ops the policy leaves alone in fp16; a class in bf16 beside them
+    hands ops that take both (``torch.cat`` in rotary embeddings) a bf16 and a fp16 tensor, and autocast refuses to
+    promote those. Likewise fp16 under ``"bf16-mixed"``.
+
+    Args:
+        table: op class -> dtype name.
+        overrides: module path -> dtype name, for the modules overridden.
+        precision: the Trainer's precision.
+
+    Example:
+        >>> check_one_low_dtype({"matmul": "bf16"}, {}, "16-mixed")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: PrecisionPolicy runs ['matmul'] in bf16 while Trainer(precision='16-mixed') autocasts the rest ...
+    """
+    autocast = AUTOCAST_DTYPE.get(str(precision))
+    if autocast is None:
+        return
+    other = "bf16" if autocast == "fp16" else "fp16"
+    users = [cls for cls, name in table.items() if name == other] + [
+        f"module {path}" for path, name in overrides.items() if name == other]
+    if users:
+        instead = "'bf16-mixed'" if other == "bf16" else "'16-mixed'"
+        raise ValueError(f"PrecisionPolicy runs {users} in {other} while Trainer(precision={precision!r}) autocasts"
+                         f" the rest to {autocast}: ops that take both 16-bit dtypes (torch.cat, ...) fail under"
+                         f" autocast. Use {autocast!r} there, or precision='32-true' (the policy alone decides) or"
+                         f" {instead}")

@@ -44,7 +44,11 @@ class ModeState:
 _INFO: dict[Any, tuple[str, bool]] = {}
 #: what a higher-order operator is to the mode: no op of a class, but a body of ops to govern
 _BODY = "higher-order operator"
-_PASS = frozenset((*NEVER_CAST, _BODY))
+#: a backward run inside a governed step (manual optimization): in the forward's dtypes, autocast off
+_BACKWARD = "backward"
+_SPECIAL = frozenset((_BODY, _BACKWARD))
+_PASS = frozenset((*NEVER_CAST, *_SPECIAL))
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # Op names that draw random numbers (by name, as a ``TorchFunctionMode`` receives them)
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
 
@@ -61,8 +65,8 @@ def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
         pass
     except TypeError:
         return function_info(func)
-    if isinstance(func, torch._ops.HigherOrderOperator):
-        _INFO[func] = (_BODY, False)
+    if isinstance(func, torch._ops.HigherOrderOperator) or func in _BACKWARDS:
+        _INFO[func] = (_BACKWARD if func in _BACKWARDS else _BODY, False)
         return _INFO[func]
     cls, inplace = function_info(func)
     random = any(word in (getattr(func, "__name__", "") or "") for word in _RANDOM)
@@ -117,8 +121,8 @@ class PolicyMode(TorchFunctionMode):
         except (KeyError, TypeError):
             cls, inplace = policy_info(func)
         if cls in _PASS or SUSPENDED.depth:
-            if cls == _BODY and not SUSPENDED.depth:
-                return self._body(func, args, kwargs or {})
+            if cls in _SPECIAL and not SUSPENDED.depth:
+                return self._special(cls, func, args, kwargs or {})
             return func(*args, **(kwargs or {}))
         state = self.state
         if state.census is not None:
@@ -156,8 +160,8 @@ class PolicyMode(TorchFunctionMode):
         """The general path: traced under compile, and eagerly for census steps and ops that update their args."""
         state = self.state
         cls, inplace = _traced_function_info(func)
-        if cls == _BODY and not SUSPENDED.depth:
-            return self._body(func, args, kwargs)
+        if cls in _SPECIAL and not SUSPENDED.depth:
+            return self._special(cls, func, args, kwargs)
         if cls in _PASS or SUSPENDED.depth:
             return func(*args, **kwargs)
         stack = state.module_stack
@@ -181,14 +185,20 @@ class PolicyMode(TorchFunctionMode):
             census.record(cls, out, bool(stack), ref)
         return out
 
-    def _body(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """A higher-order operator (dynamo's checkpoint, ``cond``, flex attention): its body's ops are governed too.
+    def _special(self, cls: str, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call that is no op to cast: a higher-order operator's body, or a backward inside the step.
 
-        A mode handling a call stands aside until it returns; the operator itself has nothing to cast, but the ops
-        of the Python it runs do (a checkpointed block traced whole: its convolution met a 16-bit input and fp32
-        weights). Entered again around the call, the mode would be handed the same call again; so the functions the
-        operator runs enter it themselves.
+        A higher-order operator (dynamo's checkpoint, ``cond``, flex attention) has nothing to cast, but the ops of
+        the Python it runs do (a checkpointed block traced whole: its convolution met a 16-bit input and fp32
+        weights). A mode handling a call stands aside until it returns, and entered again around the call it would be
+        handed the same call again; so the functions the operator runs enter it themselves.
+
+        A backward inside the step (``manual_backward`` under manual optimization) runs in the dtypes the forward
+        ran in: with autocast on there, a fp16 autocast met the policy's bf16 ops and refused to promote them.
         """
+        if cls == _BACKWARD:
+            with autocast_off():
+                return func(*args, **kwargs)
         return func(*(self._entering(a) for a in args), **kwargs)
 
     def _entering(self, value: Any) -> Any:

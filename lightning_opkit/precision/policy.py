@@ -27,7 +27,14 @@ from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.precision.auto import AutoPrecision, Plan
 from lightning_opkit.precision.candidates import StepChoice
 from lightning_opkit.precision.census import merge_rows
-from lightning_opkit.precision.config import DEFAULT_RULES, check_fp16, check_policy_args, initial_table
+from lightning_opkit.precision.config import (
+    AUTOCAST_DTYPE,
+    DEFAULT_RULES,
+    check_fp16,
+    check_one_low_dtype,
+    check_policy_args,
+    initial_table,
+)
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, DtypeName, OpClassName
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
@@ -216,7 +223,12 @@ class PrecisionPolicy(OpkitCallback):
         self._detach()
         matched = resolve_modules(pl_module, self.modules, owner="PrecisionPolicy") if self.modules else []
         if stage == "fit":
-            check_fp16(self.table, [n for n, _ in matched if match_rule(n, self.modules) == "fp16"],
+            # the default rules' 16-bit classes in the dtype the Trainer autocasts to, so the two never mix
+            self.table = initial_table(self.rules, self.default, AUTOCAST_DTYPE.get(str(trainer.precision), "bf16"))
+            self._governor.set_table(self.table)
+            overrides = {n: match_rule(n, self.modules) for n, _ in matched}
+            check_one_low_dtype(self.table, overrides, trainer.precision)  # type: ignore[arg-type]
+            check_fp16(self.table, [n for n, d in overrides.items() if d == "fp16"],
                        getattr(trainer.precision_plugin, "scaler", None) is not None, trainer.precision)
         keep_out_of_dynamo_frames()
         hold_rnn_input_casts(self._patches, pl_module)
@@ -316,11 +328,11 @@ class PrecisionPolicy(OpkitCallback):
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                             batch_idx: int) -> None:
         grad_scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scaler = grad_scaler is not None
         compiled = any(offering(trainer, CompilesRegions))
         plan = self._auto.measure_and_decide(
             pl_module, batch, self._originals["training_step"], batch_idx,
-            dtypes=["bf16", "fp16"] if scaler else ["bf16"],  # fp16 only where a GradScaler scales the loss
+            # the dtype the Trainer autocasts to (the two 16-bit dtypes cannot mix under autocast), else bf16
+            dtypes=[AUTOCAST_DTYPE.get(str(trainer.precision), "bf16")],
             agree=lambda value: trainer.strategy.broadcast(value, src=0), compiled=compiled,
             accumulating=trainer.accumulate_grad_batches > 1,
             loss_scale=float(grad_scaler.get_scale()) if grad_scaler is not None else None)
