@@ -297,3 +297,31 @@ def test_replay_copes_with_inplace_modules(tmp_path, where):
     report = info.value.report
     expected_module = "body.2" if where == "forward" else module
     assert (report["phase"], report["module"], report["parameter"]) == (phase, expected_module, parameter)
+
+
+class LossReadsSomeRows(TinyNet):
+    """TinyNet whose loss skips the batch's first row: a NaN there reaches the gradients but not the loss."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x)[1:], y[1:])
+
+
+def test_under_a_grad_scaler_a_forward_nan_the_loss_never_reads_is_a_fault_not_an_overflow(tmp_path):
+    # Non-finite gradients beside a finite loss are what a loss-scaling overflow looks like; the scaler used to be
+    # left to deal with it (its scale halved, nothing reported). A forward activation cannot overflow from scaling.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu")
+    scales = {}
+
+    class Scale(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            scales[trainer.global_step - 1] = scaler.get_scale()
+
+    detector = NaNDetector(action="skip")
+    trainer(tmp_path, [detector, Scale()], max_steps=5, plugins=[MixedPrecision("16-mixed", "cpu", scaler)]).fit(
+        LossReadsSomeRows(forward_steps=(2,)), make_loader())
+    assert [(e["step"], e["phase"], e["module"]) for e in detector.events] == [(2, "forward", "body.1")]
+    assert detector.skipped_steps == 1
+    assert scales[2] == scales[1]  # the detector's skip leaves the scaler as it was: it was no overflow

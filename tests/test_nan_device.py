@@ -193,3 +193,16 @@ def test_decide_from_the_cli():
     assert (type(detector), detector.decide, detector.action) == (NaNDetector, "device", "skip")
     with pytest.raises(Exception, match="decide"):
         parser.parse_args(["--callbacks+=lightning_opkit.NaNDetector", "--callbacks.decide=gpu"])
+
+
+@pytest.mark.parametrize("decide", ["host", "device"])
+def test_a_skip_counts_as_a_step_so_max_steps_10_with_one_skip_makes_9_updates(tmp_path, decide):
+    # Lightning's global_step counts optimizer-step calls, the left-out one included (the NaNDetector page says so)
+    model = TinyNet(optimizer="fused_adamw", forward_steps=(3,))
+    detector = NaNDetector(action="skip", decide=decide)
+    run = trainer(tmp_path, [detector], max_steps=10, max_epochs=-1)
+    run.fit(model, make_loader())
+    assert run.global_step == 10
+    assert detector.skipped_steps == 1
+    updates = {int(state["step"]) for state in run.optimizers[0].state.values()}
+    assert updates == {9}

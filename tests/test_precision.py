@@ -4,7 +4,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_loader, read_events, snapshot, trainer
+from helpers import TinyNet, make_loader, read_events, snapshot, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
@@ -355,3 +355,21 @@ def test_census_recomputes_random_ops_with_their_own_random_numbers(tmp_path):
     assert 0 < attention["rel_error"] < 0.02  # another dropout mask would give an error near 1
     # census steps leave the random stream where it was: the same training as without a census
     assert all(torch.equal(a, b) for a, b in zip(runs[1][0].parameters(), runs[0][0].parameters()))
+
+
+def test_under_16_mixed_the_default_table_lowers_to_fp16_and_mixed_rules_are_refused(tmp_path):
+    def fit(policy):
+        scaler = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        trainer(tmp_path, [policy], max_steps=1, plugins=[scaler]).fit(TinyNet(), make_loader())
+
+    default = PrecisionPolicy(check_speed=False, census_every_n_steps=0)
+    fit(default)
+    assert {default.table[c] for c in ("matmul", "conv", "attention", "activation")} == {"fp16"}
+    assert default.table["norm"] == "fp32"
+    # the same policy under 32-true keeps the default's bf16 (no autocast to agree with)
+    trainer(tmp_path, [default], max_steps=1).fit(TinyNet(), make_loader())
+    assert default.table["matmul"] == "bf16"
+    with pytest.raises(ValueError, match=r"runs \['matmul'\] in bf16 while Trainer\(precision='16-mixed'\) autocasts"):
+        fit(PrecisionPolicy(rules={"matmul": "bf16"}))
+    with pytest.raises(ValueError, match=r"\['module head'\] in bf16"):
+        fit(PrecisionPolicy(rules={"matmul": "fp16"}, modules={"head": "bf16"}))
