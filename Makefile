@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.opkit-installed
 LOGDIR ?= lightning_logs
 
-.PHONY: install test lint typecheck demo bench docs docs-tags screenshots clean
+.PHONY: install test test-torch lint typecheck demo bench docs docs-tags screenshots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,24 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(PY) -m pytest -q
+
+# The suite on another torch release: `make test-torch TORCH=2.11.0` builds $(TORCH_VENV) with that torch and
+# everything else as constraints.txt pins it, then runs the tests but the slow tier. The registry's torch wheels other
+# than 2.13.0+cpu are CUDA builds: 5-8 GB with their nvidia packages, several minutes to install, and they run on a
+# CPU. The machine's pip constraints may cap torch: they are set aside (PIP_CONSTRAINT=/dev/null) for this venv only.
+TORCH ?= 2.11.0
+TORCH_VENV ?= .venv-torch-$(TORCH)
+TORCH_STAMP := $(TORCH_VENV)/.opkit-installed
+
+$(TORCH_STAMP): pyproject.toml constraints.txt
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
+	PIP_CONSTRAINT=/dev/null $(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt \
+		torch==$(TORCH) -e '.[dev]'
+	touch $(TORCH_STAMP)
+
+test-torch: $(TORCH_STAMP)
+	$(TORCH_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider
 
 demo: $(STAMP)
 	$(PY) examples/train.py fit --config examples/config.yaml --trainer.default_root_dir $(LOGDIR) \

@@ -2,6 +2,7 @@
 annotations on the device's timeline) fed through the real aggregation, fp16 gradients, the ``fp32_precision`` API,
 device names for the datasheet. Each test is one defect a reading of the CUDA paths found."""
 
+import inspect
 import os
 
 import pytest
@@ -34,6 +35,17 @@ class _Window:
         return self._events.key_averages()
 
 
+def _event(*args, **kwargs) -> FunctionEvent:
+    """A ``FunctionEvent`` as the running torch's profiler makes it: before 2.13 it takes no ``input_dtypes`` (the
+    profiler's kineto events carry them, and opkit copies them over: ``core/torch_compat.events_with_dtypes``)."""
+    accepted = inspect.signature(FunctionEvent.__init__).parameters
+    event = FunctionEvent(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+    for key, value in kwargs.items():
+        if key not in accepted:
+            setattr(event, key, value)
+    return event
+
+
 class _Trace:
     """Builds a GPU window as kineto reports it: CPU ops with their kernels appended, and each kernel again as a
     device event; ``record_function`` spans with a device-side twin (a GPU user annotation)."""
@@ -42,17 +54,17 @@ class _Trace:
         self.events: list[FunctionEvent] = []
 
     def cpu(self, name, start, end, *, kernel_us=0.0, annotation=False, shapes=None, dtypes=None, flops=None):
-        event = FunctionEvent(len(self.events) + 1, name, 1, start, end, use_device="cuda", stack=[],
-                              input_shapes=shapes or [], input_dtypes=dtypes or [], is_user_annotation=annotation,
-                              flops=flops)
+        event = _event(len(self.events) + 1, name, 1, start, end, use_device="cuda", stack=[],
+                       input_shapes=shapes or [], input_dtypes=dtypes or [], is_user_annotation=annotation,
+                       flops=flops)
         if kernel_us:
             event.append_kernel(f"kernel of {name}", 0, kernel_us)
         self.events.append(event)
         return event
 
     def device(self, name, start, end, *, annotation=False):
-        self.events.append(FunctionEvent(len(self.events) + 1, name, 7, start, end, use_device="cuda", stack=[],
-                                         device_type=CUDA, is_user_annotation=annotation))
+        self.events.append(_event(len(self.events) + 1, name, 7, start, end, use_device="cuda", stack=[],
+                                  device_type=CUDA, is_user_annotation=annotation))
 
     def span(self, name, start, end, device_span):
         self.cpu(name, start, end, annotation=True)

@@ -236,7 +236,8 @@ def test_measurement_leaves_the_training_run_unchanged(tmp_path):
         fixed = PrecisionPolicy(rules=rules, default="fp32", census_every_n_steps=0, check_speed=False)
         trainer(tmp_path / "b", [fixed], max_steps=3).fit(plain, make_loader())
     assert snapshot(measured) == snapshot(plain)
-    assert all(torch.equal(a, b) for a, b in zip(measured.parameters(), plain.parameters()))
+    differ = [n for (n, a), b in zip(measured.named_parameters(), plain.parameters()) if not torch.equal(a, b)]
+    assert differ == [], (differ, auto.table, auto.choice.table() if auto.choice else None)
     assert math.isfinite(auto.measurements.seconds)
 
 

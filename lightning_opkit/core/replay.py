@@ -40,7 +40,9 @@ def replaying() -> bool:
 
 def rng_state() -> tuple[Tensor, Any]:
     """The CPU (and, once initialized, CUDA) RNG state."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # is_initialized() alone, not is_available(): under Lightning's PYTORCH_NVML_BASED_CUDA_CHECK=1 each
+    # is_available() of a CUDA build goes through ctypes and leaves reference cycles, and this runs every step
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
 
 

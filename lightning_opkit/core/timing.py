@@ -28,7 +28,7 @@ def sync(device: torch.device | str | None = None) -> None:
     """
     if device is not None and torch.device(device).type != "cuda":
         return
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
 
 

@@ -96,7 +96,7 @@ class Window:
 
     def __post_init__(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.reset_peak_memory_stats()
 

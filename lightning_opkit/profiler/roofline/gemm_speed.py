@@ -17,6 +17,7 @@ import torch
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import SpeedFact
 from lightning_opkit.core.timing import filled_seconds
+from lightning_opkit.core.torch_compat import events_with_dtypes
 
 __all__ = ["gemm_speed"]
 
@@ -70,7 +71,7 @@ def gemm_speed(prof: Any, device: torch.device | str, window: int, use_device: b
     """
     device = torch.device(device)
     spent: dict[tuple[str, str], list[Any]] = {}
-    for e in prof.events():
+    for e in events_with_dtypes(prof):
         if e.key not in _GEMMS or not e.input_shapes:
             continue
         dtypes = list(getattr(e, "input_dtypes", None) or [])

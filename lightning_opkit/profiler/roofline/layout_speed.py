@@ -19,6 +19,7 @@ from torch import nn
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import LayoutFact
 from lightning_opkit.core.timing import filled_seconds
+from lightning_opkit.core.torch_compat import events_with_dtypes
 
 __all__ = ["conv_layout", "conv_layout_speed"]
 
@@ -52,7 +53,7 @@ def _recorded(prof: Any, use_device: bool) -> list[list[Any]]:
     Time is the ``aten::convolution`` op's total, its kernels included.
     """
     spent: dict[str, list[Any]] = {}
-    for e in prof.events():
+    for e in events_with_dtypes(prof):
         shapes = e.input_shapes
         if e.key != "aten::convolution" or not shapes or len(shapes[0]) not in _FORMATS:
             continue

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.utils import flop_counter
 
+from lightning_opkit.core.torch_compat import events_with_dtypes
 from lightning_opkit.opclass import (
     GEMM_CLASSES,
     NO_ARITHMETIC,
@@ -293,7 +294,7 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
     """
     rows: dict[str, ClassRoofline] = {}
     tree = _Tree()
-    for e in prof.events():
+    for e in events_with_dtypes(prof):
         key = e.key
         if is_framework_event(key) or on_device(e):
             continue  # a kernel's device time is its launching op's self device time: counted there, once
