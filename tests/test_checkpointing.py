@@ -275,3 +275,22 @@ def test_a_graph_break_around_a_compiled_checkpoint_recomputes_in_the_forward_dt
     _, plain = _fit(tmp_path / "plain", "torch_mha", callbacks(False), steps=6)
     _, losses = _fit(tmp_path / "probed", "torch_mha", callbacks(True), steps=6)
     assert losses == plain
+
+
+def _autocast_level() -> int:
+    level = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return level
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_recompute_stopped_early_inside_a_compiled_region_leaves_autocast_as_it_was(tmp_path, precision):
+    # A compiled region enters and leaves autocast as two graph calls (the policy's casts run with autocast off); the
+    # checkpoint's recompute stops early between them, and each step left one autocast level entered: autocast then
+    # never dropped its cache of cast weights, and a later bf16-mixed run computed with stale ones.
+    callbacks = [PrecisionPolicy(check_speed=False, census_every_n_steps=0),
+                 TorchCompile(backend="eager", modules=["model.transformer.h.*"]),
+                 ActivationCheckpointing(modules=["model.transformer.h.*"], measure=False)]
+    _fit(tmp_path, "hf_gpt2", callbacks, steps=4, precision=precision)
+    assert _autocast_level() == 0
+    assert not torch.is_autocast_enabled("cpu")

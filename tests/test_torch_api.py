@@ -34,6 +34,9 @@ NAMES = [
     "torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot", "torch.OutOfMemoryError",
     "torch.utils.checkpoint.create_selective_checkpoint_contexts", "torch.autograd.graph.saved_tensors_hooks",
     "torch.channels_last", "torch.channels_last_3d",
+    # the compat module, the policy's mode around higher-order operators, checkpoints outside a compiled graph
+    "torch.utils._python_dispatch._disable_current_modes", "torch._ops.HigherOrderOperator", "torch._dynamo.disable",
+    "torch.utils.checkpoint.CheckpointPolicy",
 ]
 
 
@@ -102,3 +105,18 @@ def test_the_declared_floors_are_met_here():
     import lightning
 
     assert Version(lightning.__version__) >= Version(floors["lightning"])
+
+
+def test_profiler_events_carry_their_input_dtypes_and_allocations_on_this_torch():
+    # torch before 2.13 has no FunctionEvent.input_dtypes: the compat module copies them from the kineto events
+    from lightning_opkit.core.torch_compat import cpu_memory_events, events_with_dtypes
+
+    a = torch.ones(16, 16, dtype=torch.bfloat16)
+    with torch.profiler.profile(record_shapes=True, profile_memory=True) as prof:
+        (a @ a).float().sum()
+    mm = [e for e in events_with_dtypes(prof) if e.key == "aten::mm"]
+    assert mm
+    assert mm[0].input_dtypes[:2] == ["c10::BFloat16", "c10::BFloat16"]
+    allocations = cpu_memory_events(prof)
+    assert allocations is not None
+    assert any(n == 16 * 16 * 2 for _, n in allocations)  # the product's bytes, allocated

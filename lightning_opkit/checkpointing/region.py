@@ -79,6 +79,7 @@ def _again(modes: list[Any], inner: Any, buffers: list[torch.Tensor]) -> Iterato
     running statistics a second time.
     """
     kept = [b.clone() for b in buffers]
+    autocast = _autocast_state()
     try:
         with contextlib.ExitStack() as stack:
             for mode in modes:
@@ -90,6 +91,37 @@ def _again(modes: list[Any], inner: Any, buffers: list[torch.Tensor]) -> Iterato
         with torch.no_grad():
             for buffer, value in zip(buffers, kept, strict=True):
                 buffer.copy_(value)
+        _restore_autocast(autocast)
+
+
+_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple[int, bool, list[tuple[bool, torch.dtype]]]:
+    """Autocast's nesting level, cache switch, and each device's switch and dtype."""
+    level = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return level, torch.is_autocast_cache_enabled(), [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                                                      for d in _DEVICES]
+
+
+def _restore_autocast(state: tuple[int, bool, list[tuple[bool, torch.dtype]]]) -> None:
+    """Put autocast back as :func:`_autocast_state` found it.
+
+    A compiled region's graph enters and leaves autocast as two calls (a precision policy's casts run with autocast
+    off); a recompute stopped early between them left autocast entered: one nesting level a step, so autocast never
+    dropped its cache of cast weights again and later steps computed with stale ones.
+    """
+    level, cache, devices = state
+    while torch.autocast_increment_nesting() - 1 > level:
+        torch.autocast_decrement_nesting()
+        torch.autocast_decrement_nesting()
+    if torch.autocast_decrement_nesting() == 0:
+        torch.clear_autocast_cache()  # as leaving the outermost autocast does
+    torch.set_autocast_cache_enabled(cache)
+    for device, (enabled, dtype) in zip(_DEVICES, devices, strict=True):
+        torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_dtype(device, dtype)
 
 
 @torch._dynamo.disable
