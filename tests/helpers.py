@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_opkit import PrecisionPolicy
+from lightning_opkit.core.torch_compat import FUNCTION_MODES_UNDER_AOT
 
 
 def make_loader(n: int = 64, batch_size: int = 8, dim: int = 8, classes: int = 4, seed: int = 0) -> DataLoader:
@@ -281,3 +282,12 @@ class SaveAt(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
+
+
+def policy_refused_under(backend) -> bool:
+    """Whether TorchCompile refuses ``backend`` beside a PrecisionPolicy on this torch (before 2.11: AOT autograd
+    traced the policy's casts into a wrong backward there); a test then checks the refusal instead of the run."""
+    return backend not in (None, "eager") and not FUNCTION_MODES_UNDER_AOT
+
+
+REFUSED = "with a PrecisionPolicy needs torch 2.11 or newer"

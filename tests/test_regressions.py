@@ -11,7 +11,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import StepProbe, TinyNet, make_loader, read_events, state_differences, trainer
+from helpers import (
+    REFUSED,
+    StepProbe,
+    TinyNet,
+    make_loader,
+    policy_refused_under,
+    read_events,
+    state_differences,
+    trainer,
+)
 from zoo import build
 
 from lightning_opkit import NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
@@ -88,7 +97,12 @@ def test_d05_module_overrides_hold_on_every_backend(tmp_path, backend):
         policy = PrecisionPolicy(modules={"model.lm_head": "fp32", "model.transformer.h.1.mlp": "fp32"},
                                  census_every_n_steps=0)
         compiler = [TorchCompile(modules=["model.transformer.h.*"], backend=backend)] if compiled else []
-        trainer(tmp_path / str(compiled), [policy, *compiler, probe], max_steps=3).fit(model, model.loader())
+        run = trainer(tmp_path / str(compiled), [policy, *compiler, probe], max_steps=3)
+        if compiled and policy_refused_under(backend):
+            with pytest.raises(ValueError, match=REFUSED):
+                run.fit(model, model.loader())
+            return
+        run.fit(model, model.loader())
         losses[compiled] = probe.losses
     assert losses[True] == losses[False]
 

@@ -29,9 +29,11 @@ from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_cod
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.facts import facts_of
+from lightning_opkit.core.kit import RunsModulesInDtype, offering
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import StepClock
+from lightning_opkit.core.torch_compat import FUNCTION_MODES_UNDER_AOT
 
 __all__ = ["TorchCompile"]
 
@@ -133,6 +135,10 @@ class TorchCompile(OpkitCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._patches:
             return  # validate/test inside fit reuse the compiled model
+        if self.backend != "eager" and not FUNCTION_MODES_UNDER_AOT and any(offering(trainer, RunsModulesInDtype)):
+            raise ValueError(f"TorchCompile(backend={self.backend!r}) with a PrecisionPolicy needs torch 2.11 or newer:"
+                             f" on torch {torch.__version__} AOT autograd traces the policy's casts into a wrong"
+                             " backward. Use backend='eager' (the policy's dtypes, traced by dynamo), or newer torch.")
         targets = self._targets(pl_module)
         self.regions, self._limit_hit = {}, set()
         backend = make_backend(self.backend, self.mode, self.options, self.dynamic)

@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import CASES, Case
-from helpers import SaveAt, snapshot
+from helpers import REFUSED, SaveAt, policy_refused_under, snapshot
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 from zoo import CASES as ZOO
@@ -188,4 +188,8 @@ SLOW = [c for c in CASES if c.callbacks == "PNWCA"][:2] + [c for c in CASES if c
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW, ids=[c.id for c in SLOW])
 def test_combination_under_inductor(tmp_path, case):
+    if "P" in case.callbacks and policy_refused_under("inductor"):
+        with pytest.raises(ValueError, match=REFUSED):
+            _check(tmp_path, case, backend="inductor")
+        return
     _check(tmp_path, case, backend="inductor")
