@@ -1,4 +1,6 @@
 import os
+import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -313,12 +315,17 @@ def test_auto_finds_and_compiles_the_blocks_of_every_zoo_model(tmp_path, name):
     model = build(name)
     expected = [n for n, _ in model.named_modules() if glob_match(n, "model." + model.case.blocks)]
     compiler = TorchCompile(modules="auto", backend="eager")
-    if name == "torch_lstm":  # dynamo skips a block of nothing but an nn.LSTM and a norm: said, not hidden
-        with pytest.warns(UserWarning, match=r"nothing was compiled.*tried \d+ frame.*skipped them"):
-            trainer(tmp_path, [compiler], max_steps=2).fit(model, model.loader())
-    else:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer(tmp_path, [compiler], max_steps=2).fit(model, model.loader())
+    nothing = [w for w in caught if re.search(r"nothing was compiled.*tried \d+ frame.*skipped them", str(w.message))]
+    if name == "torch_lstm":
+        # dynamo skips a block of nothing but an nn.LSTM and a norm up to torch 2.13 (said, not hidden); torch 2.15
+        # converts a frame of it: the warning follows what dynamo did
+        assert bool(nothing) == (compiler.watch.frames == 0), (compiler.watch.frames, nothing)
+    else:
         assert compiler.watch.frames > 0
+        assert not nothing
     assert compiler.compiled == expected
     assert len(expected) >= 2
     assert compiler.error is None
