@@ -209,3 +209,27 @@ def test_one_schedule_drives_torch_profiler_as_torch_own_schedule_would(every, w
     ours = _profiler_schedule(every, warmup, active)
     torchs = torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1)
     assert [ours(s) for s in range(3 * every)] == [torchs(s) for s in range(3 * every)]
+
+
+def test_what_began_once_a_window_was_settling_its_collectives_is_no_part_of_the_window():
+    # under gloo the window's last batch ends in a barrier (settle_collectives) still recorded: it is not the step's
+    from lightning_opkit.profiler.report import summarize, window_events
+    from lightning_opkit.profiler.roofline.work import class_rooflines
+    from lightning_opkit.profiler.session import SETTLE
+
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(record_shapes=True, with_flops=True) as prof:
+        x @ x
+        with torch.profiler.record_function(SETTLE):
+            torch.relu(x @ x)
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::mm") == 2  # recorded ...
+    assert "aten::relu" in names
+    kept = [e.name for e in window_events(prof)]
+    assert kept.count("aten::mm") == 1  # ... not the window's
+    assert "aten::relu" not in kept
+    assert SETTLE not in kept
+    report = summarize(prof, [1e-3], use_device=False)
+    assert [r.calls for r in report.ops if r.name == "aten::mm"] == [1]
+    assert not [r for r in report.ops if r.name == "aten::relu"]
+    assert class_rooflines(prof)["matmul"].calls == 1

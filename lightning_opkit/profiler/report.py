@@ -9,9 +9,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList
 
-from lightning_opkit.core.torch_compat import cpu_memory_events
+from lightning_opkit.core.torch_compat import cpu_memory_events, events_with_dtypes
 from lightning_opkit.opclass import NO_ARITHMETIC, OP_CLASSES, classify_profiler_event, is_framework_event
+from lightning_opkit.profiler.session import SETTLE
+
+
+def window_events(prof: Any) -> Any:
+    """A window's events: ``prof.events()`` with their input dtypes, less what began once the window was settling.
+
+    The gloo barrier of :func:`~lightning_opkit.profiler.session.settle_collectives` runs under the profiler (it
+    waits for the records of the last step's collectives) but is no part of the step.
+
+    Args:
+        prof: a stopped ``torch.profiler.profile``.
+    """
+    events = events_with_dtypes(prof)
+    cut = min((e.time_range.start for e in events if e.name == SETTLE), default=None)
+    if cut is None:
+        return events
+    kept = EventList([e for e in events if e.time_range.start < cut], use_device=getattr(events, "_use_device", None),
+                     profile_memory=getattr(events, "_profile_memory", False),
+                     with_flops=getattr(events, "_with_flops", False))
+    kept._tree_built = True  # its events keep the parents and children torch linked in the whole list
+    return kept
 
 
 @dataclass
@@ -95,7 +117,7 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
     framework_us = 0.0
     regions: dict[str, float] = {}
     device_us = 0.0
-    for e in prof.key_averages():
+    for e in window_events(prof).key_averages():
         if use_device and on_device(e):
             if not getattr(e, "is_user_annotation", False):
                 device_us += float(e.self_device_time_total)
@@ -145,7 +167,7 @@ def communication_time(prof: Any, use_device: bool = False) -> tuple[float, floa
     """
     comm: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
-    for e in prof.events():
+    for e in window_events(prof):
         if use_device != on_device(e) or (use_device and getattr(e, "is_user_annotation", False)):
             continue
         key = getattr(e, "key", None) or e.name

@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_opkit.core.timing import sync
 
-__all__ = ["Window", "opens_window", "window_phase"]
+__all__ = ["SETTLE", "Window", "ends_recording", "opens_window", "settle_collectives", "window_phase"]
+
+#: the span around :func:`settle_collectives`; a window's analysis reads the events that began before it
+SETTLE = "opkit::settle_collectives"
 
 
 def window_phase(batch: int, every_n_steps: int, warmup: int, active: int) -> tuple[int, str]:
@@ -55,6 +59,34 @@ def opens_window(batch: int, every_n_steps: int) -> bool:
     """
     index, offset = divmod(batch, every_n_steps)
     return index > 0 and offset == 0
+
+
+def ends_recording(batch: int, every_n_steps: int, warmup: int, active: int) -> bool:
+    """Whether training batch ``batch`` is the last recorded batch of a window of :func:`window_phase`.
+
+    Example:
+        >>> [b for b in range(13) if ends_recording(b, 4, 1, 2)]
+        [6, 10]
+    """
+    index, offset = divmod(batch, every_n_steps)
+    return index > 0 and offset == warmup + active - 1
+
+
+def settle_collectives() -> bool:
+    """Under gloo, wait until every collective issued so far has closed its profiler record; whether it waited.
+
+    gloo runs a collective on a worker thread, which completes the caller's future and only then ends the
+    collective's record: a window stopped right after a step's last all_reduce lost that record now and then (its
+    bytes and time, the roofline's communication row, a whole window's under load). gloo's barrier waits for all work
+    issued before it, record closed. A collective: every rank calls it at the same batch, profiled or not. NCCL ends
+    its records on the calling thread: nothing to wait for there.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() == "gloo"):
+        return False
+    with torch.profiler.record_function(SETTLE):
+        dist.barrier()
+    return True
 
 
 def _profiler_schedule(every_n_steps: int, warmup: int, active: int) -> Callable[[int], Any]:
@@ -121,12 +153,18 @@ class Window:
             sync()
             self.batch_t0 = time.perf_counter()
 
-    def end_batch(self) -> None:
-        """Time the batch (if recorded) and step the profiler; the last batch of a window stops it."""
+    def end_batch(self, before_stop: Callable[[], Any] | None = None) -> None:
+        """Time the batch (if recorded) and step the profiler; the last batch of a window stops it.
+
+        Args:
+            before_stop: called after the batch's time is taken, before the profiler steps (still recording).
+        """
         if self.batch_t0 is not None:
             sync()
             self.step_times.append(time.perf_counter() - self.batch_t0)
             self.batch_t0 = None
+        if before_stop is not None:
+            before_stop()
         with warnings.catch_warnings(), quiet_stderr():
             warnings.simplefilter("ignore")
             self.prof.step()

@@ -37,7 +37,7 @@ from lightning_opkit.profiler.roofline.layout_speed import conv_layout
 from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
 from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
-from lightning_opkit.profiler.session import Window, opens_window, window_phase
+from lightning_opkit.profiler.session import Window, ends_recording, opens_window, settle_collectives, window_phase
 
 __all__ = ["ProfilerWindows", "window_phase"]
 
@@ -270,9 +270,13 @@ class ProfilerWindows(OpkitCallback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         window = self._window
+        settle = settle_collectives if ends_recording(self.batches_seen - 1, self.every_n_steps, self.warmup,
+                                                       self.active) else None
         if window is None:
+            if settle is not None:
+                settle()  # a collective: ranks without a window (all_ranks=False) join it
             return
-        window.end_batch()
+        window.end_batch(before_stop=settle)
         if window.ready:
             self._close(trainer, partial=False)
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from torch.utils import flop_counter
 
-from lightning_opkit.core.torch_compat import events_with_dtypes
 from lightning_opkit.opclass import (
     GEMM_CLASSES,
     NO_ARITHMETIC,
@@ -21,7 +20,7 @@ from lightning_opkit.opclass import (
     fused_kernel_ops,
     is_framework_event,
 )
-from lightning_opkit.profiler.report import on_device
+from lightning_opkit.profiler.report import on_device, window_events
 from lightning_opkit.profiler.roofline.peaks import Peaks
 
 __all__ = ["ClassRoofline", "class_rooflines"]
@@ -294,7 +293,7 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
     """
     rows: dict[str, ClassRoofline] = {}
     tree = _Tree()
-    for e in events_with_dtypes(prof):
+    for e in window_events(prof):
         key = e.key
         if is_framework_event(key) or on_device(e):
             continue  # a kernel's device time is its launching op's self device time: counted there, once
