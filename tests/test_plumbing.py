@@ -18,8 +18,11 @@ from lightning_opkit.core.text import markdown_table
 
 
 class _Writes(pl.Callback):
+    def __init__(self, log_dir=None):
+        self.given = log_dir
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        w = LogWriter(trainer)
+        w = LogWriter(trainer, self.given)
         w.scalar("opkit/nan/events", batch_idx * 1.5, trainer.global_step)
         w.table("opkit/profiler/top_ops", ["a", "b"], [[1, 2.5]], trainer.global_step)
         w.close()
@@ -36,16 +39,20 @@ def test_writes_to_the_trainers_tensorboard_logger(tmp_path):
     assert "| 1 | 2.500 |" in texts["opkit/profiler/top_ops"][0][1]
 
 
-def test_without_a_logger_writes_under_the_root_dir(tmp_path):
+def test_without_a_logger_nothing_is_written_unless_a_log_dir_is_given(tmp_path):
     cb = _Writes()
-    pl.Trainer(default_root_dir=tmp_path, max_steps=2, callbacks=[cb], enable_progress_bar=False,
+    pl.Trainer(default_root_dir=tmp_path / "root", max_steps=2, callbacks=[cb], enable_progress_bar=False,
                enable_checkpointing=False, logger=False).fit(TinyNet(), make_loader())
-    assert cb.log_dir == os.path.join(tmp_path, "opkit")
+    assert not os.path.exists(tmp_path / "root")  # logger=False: no file
+    cb = _Writes(str(tmp_path / "asked"))
+    pl.Trainer(default_root_dir=tmp_path / "root", max_steps=2, callbacks=[cb], enable_progress_bar=False,
+               enable_checkpointing=False, logger=False).fit(TinyNet(), make_loader())
+    assert cb.log_dir == str(tmp_path / "asked")
     assert read_events(cb.log_dir)[0]["opkit/nan/events"] == [(1, 0.0), (2, 1.5)]
 
 
 def test_a_tag_the_reference_does_not_list_warns_once(tmp_path):
-    writer = LogWriter(pl.Trainer(logger=False, default_root_dir=str(tmp_path)))
+    writer = LogWriter(pl.Trainer(logger=False), log_dir=str(tmp_path))
     with pytest.warns(UnlistedTagWarning, match="scalar 'opkit/nan/evnets'.*core/tags.py does not list"):
         writer.scalar("opkit/nan/evnets", 1.0, 0)
     with pytest.warns(UnlistedTagWarning, match="text 'opkit/nan/events'"):  # listed as a scalar, not a text

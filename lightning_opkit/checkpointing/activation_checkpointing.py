@@ -80,6 +80,10 @@ class ActivationCheckpointing(OpkitCallback):
         measure: measure the bytes saved and the time it costs, once.
         measure_steps: steps with and as many without checkpointing, alternating, after three warm-up steps (the
             first steps compile, and measure what other callbacks measure).
+        enabled: attach the callback; ``False`` (or its area, ``checkpointing``, in the environment variable
+            ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
+        log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
+            then: ``logger=False`` writes no file).
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[ActivationCheckpointing(save=["matmul", "attention"])], logger=False)
@@ -87,14 +91,18 @@ class ActivationCheckpointing(OpkitCallback):
         ['ActivationCheckpointing']
     """
 
+    area = "checkpointing"
+
     def __init__(
         self,
         modules: Union[Literal["auto"], list[str], None] = "auto",
         save: Optional[list[str]] = None,
         measure: bool = True,
         measure_steps: int = 3,
+        enabled: bool = True,
+        log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(enabled, log_dir)
         if modules is None:
             modules = "auto"
         elif modules != "auto":

@@ -72,6 +72,10 @@ class TorchCompile(OpkitCallback):
             meant to speed training up, and fusion is not always a win (small or launch-bound regions, a region
             whose graph breaks); the price is three of each region's calls run eagerly once. Under DDP and FSDP2
             every rank takes rank zero's figure, so all run a region alike. ``False`` keeps every region compiled.
+        enabled: attach the callback; ``False`` (or its area, ``compile``, in the environment variable
+            ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
+        log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
+            then: ``logger=False`` writes no file).
 
     Example:
         >>> compiler = TorchCompile(modules=["model.blocks.*"], backend="aot_eager")
@@ -79,6 +83,8 @@ class TorchCompile(OpkitCallback):
         >>> compiler.backend
         'aot_eager'
     """
+
+    area = "compile"
 
     def __init__(
         self,
@@ -92,8 +98,10 @@ class TorchCompile(OpkitCallback):
         on_recompile_limit: Literal["warn", "eager", "raise"] = "warn",
         measure_speedup: bool = False,
         eager_if_slower: bool = True,
+        enabled: bool = True,
+        log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(enabled, log_dir)
         check_compile_args(modules, backend, mode, options, dynamic, on_recompile_limit, fullgraph=fullgraph,
                            fallback=fallback, measure_speedup=measure_speedup, eager_if_slower=eager_if_slower)
         self.modules: list[str] | str | None = modules if modules in (None, "auto") else list(modules)

@@ -5,18 +5,32 @@ A detach runs at teardown, on an exception and at the next fit's setup; each of 
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_opkit.core.kit import HearsOfFailure, offering
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.summary import end_summary, start_summary
+from lightning_opkit.core.switch import AREAS, ENV, disabled_areas
 
 __all__ = ["OpkitCallback"]
+
+#: every hook Lightning calls on a callback: a callback that is off answers each with nothing
+_HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_") or name in ("teardown", "load_state_dict"))
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _no_state() -> dict[str, Any]:
+    return {}  # Lightning keeps no entry for an empty state: a later run with the callback on starts afresh
 
 
 class OpkitCallback(Callback):
@@ -36,9 +50,35 @@ class OpkitCallback(Callback):
         ['counter: nothing counted']
     """
 
-    def __init__(self) -> None:
+    #: the callback's area, as in its tags ``opkit/<area>/...`` and in ``OPKIT_DISABLE``
+    area: ClassVar[str] = ""
+
+    def __init__(self, enabled: bool = True, log_dir: str | None = None) -> None:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{type(self).__name__}(enabled={enabled!r}): expected True or False")
+        if log_dir is not None and not (isinstance(log_dir, str) and log_dir):
+            raise ValueError(f"{type(self).__name__}(log_dir={log_dir!r}): expected a directory path or None")
+        #: where opkit writes TensorBoard files (and traces) of its own when the Trainer has no TensorBoard logger
+        self.log_dir = log_dir
         self._writer: LogWriter | None = None
         self._patches = Patches()
+        self._said_off = False
+        if self.area and self.area not in AREAS:
+            raise ValueError(f"{type(self).__name__}.area={self.area!r}: expected one of {AREAS}")
+        off = self.area in disabled_areas()
+        #: whether the callback attaches (``enabled`` and its area not in ``OPKIT_DISABLE``)
+        self.enabled = enabled and not off
+        self._off_because = f"{ENV}={os.environ.get(ENV, '')}" if off else "enabled=False"
+        if not self.enabled:
+            for name in _HOOKS:
+                setattr(self, name, _nothing)
+            self.setup = self._say_off  # type: ignore[method-assign]
+            self.state_dict = _no_state  # type: ignore[method-assign]
+
+    def _say_off(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not self._said_off:
+            self._said_off = True
+            rank_zero_info(f"opkit: {type(self).__name__} is off ({self._off_because}): it attaches nothing.")
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
@@ -52,7 +92,7 @@ class OpkitCallback(Callback):
         """A fresh writer for this stage; at a fit's setup, also arm the run summary."""
         if self._writer is not None:
             self._writer.close()
-        self._writer = LogWriter(trainer)
+        self._writer = LogWriter(trainer, self.log_dir)
         if stage == "fit":
             start_summary(self, trainer, self._writer)
         return self._writer

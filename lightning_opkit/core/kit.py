@@ -67,13 +67,14 @@ class CompilesRegions(Protocol):
 
 
 def members(trainer: pl.Trainer) -> list[Member]:
-    """The opkit callbacks of ``trainer``, in its order (the first one writes what is written once per run).
+    """The opkit callbacks of ``trainer`` that are on, in its order (the first writes what is written once per run).
 
     Example:
         >>> members(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False))
         []
     """
-    return [c for c in trainer.callbacks if isinstance(c, Member)]  # type: ignore[attr-defined]
+    return [c for c in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(c, Member) and getattr(c, "enabled", True)]  # one that is off is no member
 
 
 def offering(trainer: pl.Trainer, offer: type[Any]) -> Iterator[Any]:

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning_opkit.core import tags
 from lightning_opkit.core.text import markdown_table
 
-__all__ = ["LogWriter", "figure_pixels", "run_log_dir"]
+__all__ = ["LogWriter", "figure_pixels", "run_log_dir", "traces_dir"]
 
 
 def run_log_dir(trainer: pl.Trainer) -> str:
@@ -37,6 +37,24 @@ def run_log_dir(trainer: pl.Trainer) -> str:
         if isinstance(logger, TensorBoardLogger):
             return logger.log_dir
     return trainer.log_dir or trainer.default_root_dir
+
+
+def traces_dir(trainer: pl.Trainer, log_dir: str | None) -> str:
+    """Where a callback's traces go: ``<log_dir>/traces``, else ``<run log dir>/traces``; ``""`` for none.
+
+    None when the Trainer has no logger and no ``log_dir`` was given: ``logger=False`` writes no file.
+
+    Args:
+        trainer: the running trainer (every rank calls this: ``trainer.log_dir`` is a collective under DDP).
+        log_dir: the callback's ``log_dir``.
+
+    Example:
+        >>> traces_dir(pl.Trainer(logger=False), None), traces_dir(pl.Trainer(logger=False), "/tmp/x")
+        ('', '/tmp/x/traces')
+    """
+    if log_dir is None and not trainer.loggers:
+        return ""
+    return os.path.join(log_dir or run_log_dir(trainer), "traces")
 
 
 def figure_pixels(figure: Any) -> np.ndarray:
@@ -61,45 +79,55 @@ def _file_name(tag: str) -> str:
 class LogWriter:
     """Write opkit's scalars, tables and pictures to TensorBoard and to the Trainer's other loggers.
 
-    TensorBoard: the Trainer's ``TensorBoardLogger`` writer, else a writer of opkit's own in ``<log dir>/opkit``.
-    Only global rank zero writes; on other ranks every method is a no-op.
+    TensorBoard: the Trainer's ``TensorBoardLogger`` writer; without one, a writer of opkit's own in ``log_dir`` when
+    the user gave one, else none (``logger=False`` writes no file). Only global rank zero writes; on other ranks every
+    method is a no-op.
 
     Args:
         trainer: the running trainer.
+        log_dir: where opkit writes TensorBoard event files of its own when the Trainer has no TensorBoard logger.
 
     Example:
         >>> import tempfile
-        >>> writer = LogWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
+        >>> writer = LogWriter(pl.Trainer(logger=False), log_dir=tempfile.mkdtemp())
         >>> writer.scalar("opkit/nan/events", 1, step=10)
-        >>> writer.log_dir.endswith("opkit"), writer.active
+        >>> writer.active, writer.tensorboard_dir is not None
         (True, True)
         >>> writer.close()
+        >>> LogWriter(pl.Trainer(logger=False)).active  # nothing to write to
+        False
     """
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, log_dir: str | None = None) -> None:
         self._writer: Any = None
         self._owned = False
+        self._rank_zero = trainer.is_global_zero
         #: the Trainer's loggers other than TensorBoard, each written to as far as it has a way
         self.others: list[Logger] = []
         #: the run's log directory (computed on every rank: under DDP ``trainer.log_dir`` is a collective)
-        self.run_dir = self.log_dir = run_log_dir(trainer)
-        if not trainer.is_global_zero:
+        self.run_dir = self.log_dir = run_log_dir(trainer) if log_dir is None else log_dir
+        #: the directory of the TensorBoard event files written, or ``None`` when there are none
+        self.tensorboard_dir: str | None = None
+        if not self._rank_zero:
             return
         self.others = [lg for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)]
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 self._writer = logger.experiment
+                self.tensorboard_dir = logger.log_dir
                 return
+        if log_dir is None:
+            return  # the user asked for no logs: no files of opkit's own either
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = os.path.join(self.log_dir, "opkit")
-        self._writer = SummaryWriter(log_dir=self.log_dir)
+        self._writer = SummaryWriter(log_dir=log_dir)
+        self.tensorboard_dir = log_dir
         self._owned = True
 
     @property
     def active(self) -> bool:
-        """Whether this process writes (global rank zero)."""
-        return self._writer is not None
+        """Whether this process writes anywhere (global rank zero, with TensorBoard or another logger)."""
+        return self._rank_zero and (self._writer is not None or bool(self.others))
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """Write one scalar.
@@ -121,16 +149,17 @@ class LogWriter:
 
         Example:
             >>> import tempfile
-            >>> writer = LogWriter(pl.Trainer(logger=False, default_root_dir=tempfile.mkdtemp()))
+            >>> writer = LogWriter(pl.Trainer(logger=False), log_dir=tempfile.mkdtemp())
             >>> writer.scalars("opkit/nan", {"events": 0, "skipped_steps": 0, "not_measured": None}, step=0)
             >>> writer.close()
         """
-        if self._writer is None:
+        if not self.active:
             return
         metrics = {f"{prefix}/{name}": float(value) for name, value in values.items() if value is not None}
         for tag, value in metrics.items():
             tags.check(tag, "scalar")
-            self._writer.add_scalar(tag, value, global_step=step)
+            if self._writer is not None:
+                self._writer.add_scalar(tag, value, global_step=step)
         for logger in self.others:
             if metrics:
                 logger.log_metrics(metrics, step)
@@ -143,10 +172,11 @@ class LogWriter:
             markdown: the text.
             step: the global step.
         """
-        if self._writer is None:
+        if not self.active:
             return
         tags.check(tag, "text")
-        self._writer.add_text(tag, markdown, global_step=step)
+        if self._writer is not None:
+            self._writer.add_text(tag, markdown, global_step=step)
         for logger in self.others:
             other: Any = logger  # the ways below are not on Lightning's base Logger
             if isinstance(logger, CSVLogger):
@@ -165,11 +195,12 @@ class LogWriter:
             figure: a ``matplotlib.figure.Figure``.
             step: the global step.
         """
-        if self._writer is None:
+        if not self.active:
             return
         tags.check(tag, "image")
         pixels = figure_pixels(figure)
-        self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
+        if self._writer is not None:
+            self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
         for logger in self.others:
             other: Any = logger
             if isinstance(logger, CSVLogger):
@@ -216,17 +247,17 @@ class LogWriter:
 
     def flush(self) -> None:
         """Flush pending events and rows to disk."""
-        if self._writer is None:
-            return
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
         for logger in self.others:
             logger.save()
 
     def close(self) -> None:
         """Flush, and close the writer if opkit created it (a logger's writer belongs to the logger)."""
-        if self._writer is None:
+        if not self.active:
             return
         self.flush()
         if self._owned:
             self._writer.close()
         self._writer = None
+        self.others = []

@@ -101,9 +101,14 @@ def report(trainer: pl.Trainer, callback: Any, writer: LogWriter | None,
         return None
     log_dir = writer.run_dir  # not run_log_dir(trainer) here: under DDP that is a collective, and this is rank zero
     ended = f"ended by {type(exception).__name__}: {exception}" if exception else "fit finished"
-    lines = [f"opkit run summary ({ended}, global step {trainer.global_step})",
-             f"  logs and traces: {log_dir}",
-             f"  open them with:  tensorboard --logdir {shlex.quote(log_dir)}"]
+    lines = [f"opkit run summary ({ended}, global step {trainer.global_step})"]
+    if writer.tensorboard_dir is not None:
+        lines += [f"  logs and traces: {log_dir}",
+                  f"  open them with:  tensorboard --logdir {shlex.quote(writer.tensorboard_dir)}"]
+    elif writer.active:
+        lines.append(f"  logs and traces: {log_dir} (no TensorBoard logger: log_dir= adds opkit's event files)")
+    else:
+        lines.append("  logs: none (the Trainer has no logger; log_dir= writes opkit's TensorBoard files)")
     for cb in members(trainer):
         lines += [f"  {line}" for line in cb.summary_lines()]
     text = "\n".join(lines)

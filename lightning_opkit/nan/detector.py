@@ -259,12 +259,20 @@ class NaNDetector(OpkitCallback):
             and the report and the action come one step late (:mod:`~lightning_opkit.nan.device`: a step-interval
             LR schedule then advances on the skipped step). Needs a fused optimizer, no GradScaler, no
             ``spike_zscore``.
+        enabled: attach the callback; ``False`` (or its area, ``nan``, in the environment variable
+            ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
+        log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
+            then: ``logger=False`` writes no file).
 
     Example:
-        >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip")], logger=False)
-        >>> [type(c).__name__ for c in trainer.callbacks if isinstance(c, NaNDetector)]
-        ['NaNDetector']
+        >>> trainer = pl.Trainer(callbacks=[NaNDetector(action="skip", spike_zscore=6.0)], logger=False)
+        >>> NaNDetector(action="ignore")
+        Traceback (most recent call last):
+            ...
+        ValueError: Expected `action` to be one of ['raise', 'skip', 'warn', 'stop'], but got 'ignore'
     """
+
+    area = "nan"
 
     def __init__(
         self,
@@ -280,8 +288,10 @@ class NaNDetector(OpkitCallback):
         spike_window: int = 100,
         dead_after: Optional[int] = None,
         decide: Literal["host", "device"] = "host",
+        enabled: bool = True,
+        log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(enabled, log_dir)
         check_choice("action", action, _ACTIONS)
         check_bools(check_forward=check_forward, check_backward=check_backward, check_loss=check_loss, repair=repair)
         if not (check_forward or check_backward or check_loss):

@@ -52,6 +52,11 @@ _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step"
 class PrecisionPolicy(OpkitCallback):
     """Run each operator class (matmul, norm, softmax, ...) in the dtype a policy gives it, and census what ran.
 
+    With no ``rules`` the built-in table applies, whatever the Trainer's ``precision``: matmul, conv, attention and
+    activation in bf16 (fp16 under ``precision="16-mixed"``), norm, softmax, loss and reduction in fp32. A ``rules``
+    dict is merged over that table, class by class: ``{"matmul": "fp32"}`` keeps conv, attention and activation in
+    16-bit. To run only what you name in 16-bit, name the rest ``"fp32"`` (or pass ``default`` and name every class).
+
     A ``TorchFunctionMode`` entered around every training / validation / test / predict step sees each torch call,
     functional ones inside user code (``F.softmax``, ``x @ w``) included, casts its floating inputs to the dtype of
     its operator class (casts are differentiable; parameters keep their dtype) and runs it with autocast off, so the
@@ -85,11 +90,19 @@ class PrecisionPolicy(OpkitCallback):
             real training steps: each runs this many steps (they train as usual) and the fastest median trains on;
             0 = take the choice on the measured rows. Not under TorchCompile (each table would recompile) nor with
             gradient accumulation.
+        enabled: attach the callback; ``False`` (or its area, ``precision``, in the environment variable
+            ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
+        log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
+            then: ``logger=False`` writes no file).
 
     Example:
         >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, modules={"head": "fp32"})
+        >>> policy.table["activation"], policy.table["matmul"]  # merged over the built-in table
+        ('fp32', 'bf16')
         >>> auto = PrecisionPolicy(rules="auto", tolerance=0.02)
     """
+
+    area = "precision"
 
     def __init__(
         self,
@@ -102,8 +115,10 @@ class PrecisionPolicy(OpkitCallback):
         check_speed: bool = True,
         whole_step: bool = True,
         trial_rounds: int = 2,
+        enabled: bool = True,
+        log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(enabled, log_dir)
         check_policy_args(rules, default, modules, tolerance,
                           counts=dict(census_every_n_steps=census_every_n_steps,
                                       measure_every_n_steps=measure_every_n_steps, trial_rounds=trial_rounds),

@@ -108,3 +108,14 @@ def class_table(report: WindowReport) -> str:
             ["region", "total ms / step"], sorted(([name, us / per_step] for name, us in
                                                    report.region_total_us.items()), key=lambda r: -r[1]))
     return text
+
+
+def traces_line(files: list[str], folder: str) -> str:
+    """The summary's word on trace files: how many and where, or why none (no logger and no ``log_dir``).
+
+    Example:
+        >>> traces_line(["a", "b"], "logs/traces"), traces_line([], "")
+        ('2 trace file(s) in logs/traces', 'no trace files (the Trainer has no logger; log_dir= keeps them)')
+    """
+    return f"{len(files)} trace file(s) in {folder}" if folder else \
+        "no trace files (the Trainer has no logger; log_dir= keeps them)"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_opkit.core.timing import sync
 
-__all__ = ["SETTLE", "Window", "ends_recording", "opens_window", "settle_collectives", "window_phase"]
+__all__ = ["SETTLE", "Window", "ends_recording", "opens_window", "settle_collectives", "settler", "window_phase"]
 
 #: the span around :func:`settle_collectives`; a window's analysis reads the events that began before it
 SETTLE = "opkit::settle_collectives"
@@ -87,6 +87,11 @@ def settle_collectives() -> bool:
     with torch.profiler.record_function(SETTLE):
         dist.barrier()
     return True
+
+
+def settler(batch: int, every_n_steps: int, warmup: int, active: int) -> Callable[[], bool] | None:
+    """:func:`settle_collectives` after a window's last recorded batch (on every rank, profiled or not), else None."""
+    return settle_collectives if ends_recording(batch, every_n_steps, warmup, active) else None
 
 
 def _profiler_schedule(every_n_steps: int, warmup: int, active: int) -> Callable[[int], Any]:

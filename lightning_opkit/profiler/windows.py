@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -26,9 +26,9 @@ from typing_extensions import override
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_int
 from lightning_opkit.core.facts import facts_of
-from lightning_opkit.core.logging import run_log_dir
+from lightning_opkit.core.logging import traces_dir
 from lightning_opkit.core.select import find_blocks
-from lightning_opkit.profiler.log import log_window
+from lightning_opkit.profiler.log import log_window, traces_line
 from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
 from lightning_opkit.profiler.memory_log import log_memory, memory_summary, out_of_memory_lines
 from lightning_opkit.profiler.memory_snapshot import Snapshot, out_of_memory
@@ -37,7 +37,7 @@ from lightning_opkit.profiler.roofline.layout_speed import conv_layout
 from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
 from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
-from lightning_opkit.profiler.session import Window, ends_recording, opens_window, settle_collectives, window_phase
+from lightning_opkit.profiler.session import Window, opens_window, settler, window_phase
 
 __all__ = ["ProfilerWindows", "window_phase"]
 
@@ -84,6 +84,10 @@ class ProfilerWindows(OpkitCallback):
         memory_snapshot: on CUDA, record the allocation history for the whole fit and, if it runs out of memory,
             dump a snapshot next to the traces (https://pytorch.org/memory_viz opens it). CUDA only: warned and
             nothing recorded elsewhere.
+        enabled: attach the callback; ``False`` (or its area, ``profiler``, in the environment variable
+            ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
+        log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
+            then: ``logger=False`` writes no file).
 
     Example:
         >>> windows = ProfilerWindows(every_n_steps=200, active=3)
@@ -91,6 +95,8 @@ class ProfilerWindows(OpkitCallback):
         >>> window_phase(201, windows.every_n_steps, windows.warmup, windows.active)
         (0, 'active')
     """
+
+    area = "profiler"
 
     def __init__(
         self,
@@ -110,8 +116,10 @@ class ProfilerWindows(OpkitCallback):
         roofline: bool = False,
         memory: bool = False,
         memory_snapshot: bool = False,
+        enabled: bool = True,
+        log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(enabled, log_dir)
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
                                  ("top_k", top_k, 1), ("keep_traces", keep_traces, 0)):
             check_int(name, value, low)
@@ -191,7 +199,7 @@ class ProfilerWindows(OpkitCallback):
             self.trace_files = []
             self._charted = set()
         self._open_writer(trainer, stage)
-        self._trace_dir = os.path.join(run_log_dir(trainer), "traces")
+        self._trace_dir = traces_dir(trainer, self.log_dir)
         self._enabled = self.all_ranks or trainer.is_global_zero
         self._blocks = find_blocks(pl_module) if (self.roofline or self.memory) and stage == "fit" else self._blocks
         if stage == "fit":
@@ -215,8 +223,9 @@ class ProfilerWindows(OpkitCallback):
         """The fit failed: out of memory, the summary says where it went, and a CUDA snapshot is written once."""
         self._out_of_memory = out_of_memory(exception)
         if self._out_of_memory and self._snapshot.recording and self.snapshot_file is None:
+            folder = self._trace_dir or os.path.join(trainer.default_root_dir, "traces")  # asked for: written
             self.snapshot_file = self._snapshot.dump(os.path.join(
-                self._trace_dir, f"memory_snapshot.rank{trainer.global_rank}.{trainer.global_step}.pickle"))
+                folder, f"memory_snapshot.rank{trainer.global_rank}.{trainer.global_step}.pickle"))
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The op-class charts, and the roofline's where this callback draws one (empty charts are clutter)."""
@@ -238,7 +247,7 @@ class ProfilerWindows(OpkitCallback):
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
-        line = f"profiler: {self.windows_done} window(s), {len(self.trace_files)} trace file(s) in {self._trace_dir}"
+        line = f"profiler: {self.windows_done} window(s), {traces_line(self.trace_files, self._trace_dir)}"
         report = self.last_report
         oom = out_of_memory_lines(self.memory_report, self.memory, self.snapshot_file) if self._out_of_memory else []
         if report is None:
@@ -269,15 +278,12 @@ class ProfilerWindows(OpkitCallback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        window = self._window
-        settle = settle_collectives if ends_recording(self.batches_seen - 1, self.every_n_steps, self.warmup,
-                                                       self.active) else None
-        if window is None:
-            if settle is not None:
-                settle()  # a collective: ranks without a window (all_ranks=False) join it
-            return
-        window.end_batch(before_stop=settle)
-        if window.ready:
+        window, settle = self._window, settler(self.batches_seen - 1, self.every_n_steps, self.warmup, self.active)
+        if window is not None:
+            window.end_batch(before_stop=settle)
+        elif settle is not None:
+            settle()  # a collective: ranks without a window (all_ranks=False) join it
+        if window is not None and window.ready:
             self._close(trainer, partial=False)
 
     @override
@@ -334,7 +340,7 @@ class ProfilerWindows(OpkitCallback):
                                                     facts_of(trainer).checkpointed)
         step = trainer.global_step
         export_s = None
-        if self.export_trace:
+        if self.export_trace and self._trace_dir:
             try:
                 export_s = self._export(trainer, window, step)
             except Exception as err:  # a trace is not worth the run: unwritable dir, full disk, ...
