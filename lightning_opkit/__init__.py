@@ -15,24 +15,32 @@ One folder per callback, each over Trainer-free parts, on a shared core:
 """
 
 from lightning_opkit.checkpointing import ActivationCheckpointing
+from lightning_opkit.checkpointing.activation_checkpointing import Price
 from lightning_opkit.compile import TorchCompile
 from lightning_opkit.compile.checkpoints import strip_compile_prefix
 from lightning_opkit.core.replay import replaying
 from lightning_opkit.core.select import find_blocks, module_names
 from lightning_opkit.nan import NaNDetector, NonFiniteError
+from lightning_opkit.nan.report import NaNReport
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
 from lightning_opkit.precision import PrecisionMeasurements, PrecisionPolicy, decide, measure_precision
+from lightning_opkit.precision.decide import Decision
+from lightning_opkit.precision.results import Measurement
 from lightning_opkit.profiler import ProfilerWindows
+from lightning_opkit.profiler.memory import MemoryReport
+from lightning_opkit.profiler.report import WindowReport
+from lightning_opkit.profiler.roofline.report import RooflineReport
 
-__all__ = [
-    "OP_CLASSES",
+# Grouped: the callbacks, the helpers, the types behind their public attributes and results.
+__all__ = [  # noqa: RUF022 (grouped, not sorted)
+    # callbacks
     "ActivationCheckpointing",
     "NaNDetector",
-    "NonFiniteError",
-    "PrecisionMeasurements",
     "PrecisionPolicy",
     "ProfilerWindows",
     "TorchCompile",
+    # helpers
+    "OP_CLASSES",
     "classify_function",
     "classify_module",
     "classify_name",
@@ -42,6 +50,16 @@ __all__ = [
     "module_names",
     "replaying",
     "strip_compile_prefix",
+    # types
+    "Decision",
+    "Measurement",
+    "MemoryReport",
+    "NaNReport",
+    "NonFiniteError",
+    "PrecisionMeasurements",
+    "Price",
+    "RooflineReport",
+    "WindowReport",
 ]
 
 __version__ = "0.1.0"

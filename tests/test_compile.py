@@ -243,8 +243,16 @@ def test_bad_arguments(kwargs, match):
         TorchCompile(**kwargs)
 
 
-def test_cudagraphs_option_is_accepted():
-    assert TorchCompile(options={"triton.cudagraphs": True}).options == {"triton.cudagraphs": True}
+def test_inductor_options_reach_inductor_and_a_misspelt_one_is_refused_with_the_close_names():
+    import inspect
+
+    from lightning_opkit.compile.config import make_backend
+
+    compiler = TorchCompile(options={"triton.cudagraphs": True})
+    backend = make_backend(compiler.backend, compiler.mode, compiler.options, compiler.dynamic)
+    assert inspect.getclosurevars(backend).nonlocals["backend"].config == {"triton.cudagraphs": True}
+    with pytest.raises(ValueError, match=r"'triton.cudagraph'.*close valid names.*'triton.cudagraphs'"):
+        TorchCompile(options={"triton.cudagraph": True})
 
 
 def test_policy_module_override_hooks_apply_inside_compiled_regions(tmp_path):

@@ -45,7 +45,8 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 12
     # nothing a user could not act on: expected recompiles are counted, not warned about
-    ours = [str(w.message) for w in recwarn if "opkit" in str(w.message) or "TorchCompile" in str(w.message)]
+    ours = [str(w.message) for w in recwarn if ("opkit" in str(w.message) or "TorchCompile" in str(w.message))
+            and not str(w.message).startswith("LightningCLI's args parameter")]  # names pytest's argv
     assert ours == []
     scalars, texts = read_events(str(tmp_path))
     assert "train/loss" in scalars
