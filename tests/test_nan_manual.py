@@ -21,6 +21,19 @@ from lightning_opkit import NaNDetector, NonFiniteError, PrecisionPolicy, replay
 from lightning_opkit.core.step_loss import held_training, training_loss
 
 
+class BatchStates(pl.Callback):
+    """The full state before and after each training batch, keyed ``("before" | "after", batch_idx)``."""
+
+    def __init__(self):
+        self.states = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.states[("before", batch_idx)] = full_state(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.states[("after", batch_idx)] = full_state(trainer, pl_module)
+
+
 class ManualTinyNet(TinyNet):
     """TinyNet trained by its own ``training_step``: zero_grad, manual_backward, step, and the LR scheduler."""
 
@@ -74,17 +87,10 @@ def test_raise_names_module_phase_and_step_and_replays_do_not_step(tmp_path, whe
 def test_skip_leaves_the_users_step_out_with_nothing_changed(tmp_path, where):
     kwargs = INJECT[where][0]
     model = ManualTinyNet(optimizer="adam", scheduler=True, **kwargs)
-    states = {}
-
-    class Probe(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            states[("before", batch_idx)] = full_state(trainer, pl_module)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            states[("after", batch_idx)] = full_state(trainer, pl_module)
-
+    probe = BatchStates()
+    states = probe.states
     detector = NaNDetector(action="skip")
-    run = trainer(tmp_path, [detector, Probe()], max_steps=5)
+    run = trainer(tmp_path, [detector, probe], max_steps=5)
     run.fit(model, make_loader())
     # weights, Adam's state and the per-step LR schedule exactly as before the bad batch
     assert state_differences(states[("before", 2)], states[("after", 2)]) == []
@@ -124,17 +130,10 @@ def test_every_optimizer_step_of_a_skipped_batch_is_left_out(tmp_path):
             return torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)
 
     model = TwoOptimizers(forward_steps=(2,))  # global step 2 is batch 1: two steps a batch
-    states = {}
-
-    class Probe(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            states[("before", batch_idx)] = full_state(trainer, pl_module)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            states[("after", batch_idx)] = full_state(trainer, pl_module)
-
+    probe = BatchStates()
+    states = probe.states
     detector = NaNDetector(action="skip")
-    trainer(tmp_path, [detector, Probe()], max_steps=8).fit(model, make_loader())
+    trainer(tmp_path, [detector, probe], max_steps=8).fit(model, make_loader())
     assert state_differences(states[("before", 1)], states[("after", 1)]) == []
     assert [(e["step"], e["module"]) for e in detector.events] == [(2, "body.1")]
     assert all(torch.isfinite(p).all() for p in model.parameters())
