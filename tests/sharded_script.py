@@ -178,7 +178,7 @@ class Probe(pl.Callback):
             self.after = shard_state(trainer, pl_module)
 
 
-def callbacks_for(name):
+def callbacks_for(name, root):
     made = {}
     everything = "all4" in name or "all5" in name  # all5: ActivationCheckpointing and the memory view too
     if "nan" in name or everything:
@@ -189,8 +189,9 @@ def callbacks_for(name):
     elif "precision" in name or everything:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
     if "profiler" in name or everything:
-        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,
-                                           roofline=name == "profiler", memory="all5" in name)
+        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,  # logger=False: the
+                                           roofline=name == "profiler", memory="all5" in name,  # traces asked for
+                                           log_dir=root)
     if "compile" in name or everything:
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
     if "all5" in name:
@@ -205,7 +206,7 @@ def resume(out, layout, name):
     states = []
     for steps, ckpt in ((6, None), (10, path)):
         torch.manual_seed(0)
-        made = callbacks_for("nan-skip profiler")
+        made = callbacks_for("nan-skip profiler", os.path.join(out, name))
         probe = Probe()
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                          save_distributed_checkpoint=not full)
@@ -225,7 +226,7 @@ def resume(out, layout, name):
 
 def fit(out, layout, name, steps=10):
     torch.manual_seed(0)
-    made = callbacks_for(name)
+    made = callbacks_for(name, os.path.join(out, name))
     probe = Probe()
     strategy = ModelParallelStrategy(data_parallel_size=1 if layout == "tp" else 2,
                                      tensor_parallel_size=2 if layout == "tp" else 1)

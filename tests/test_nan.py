@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -222,8 +223,12 @@ DDP_SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_nan_script.py")
 def test_ddp_two_ranks_agree(tmp_path, action, decide):
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, DDP_SCRIPT, str(out), action, decide], capture_output=True, text=True,
-                          timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+    for attempt in (1, 2):  # a native abort at interpreter exit (once in ~4 runs of a CUDA wheel): run it again
+        proc = subprocess.run([sys.executable, DDP_SCRIPT, str(out), action, decide], capture_output=True, text=True,
+                              timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+        if proc.returncode >= 0 or attempt == 2:
+            break
+        warnings.warn(f"ddp_nan_script.py: killed by signal {-proc.returncode}; running it again", stacklevel=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in results:
