@@ -6,6 +6,7 @@ Arguments: the output folder, the action, and optionally ``decide`` (``"device"`
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -14,6 +15,7 @@ import lightning.pytorch as pl  # noqa: E402
 from helpers import TinyNet, make_loader  # noqa: E402
 
 from lightning_opkit import NaNDetector, NonFiniteError  # noqa: E402
+from lightning_opkit.core.warn import OpkitWarning  # noqa: E402
 
 
 class RankPoison(TinyNet):
@@ -31,15 +33,19 @@ if __name__ == "__main__":
                          default_root_dir=out)
     model = RankPoison(optimizer="fused_adamw" if decide == "device" else "sgd")
     try:
-        trainer.fit(model, make_loader(n=128))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, make_loader(n=128))
         outcome = "finished"
     except NonFiniteError:
         outcome = "raised"
+        caught = []
     result = {
         "outcome": outcome,
         "events": [[e["step"], e["phase"], e["module"], e["rank"]] for e in detector.events],
         "weights": [round(float(v), 6) for v in model.head.weight.detach().flatten()[:8]],
         "global_step": trainer.global_step,
+        "warned": [str(w.message) for w in caught if issubclass(w.category, OpkitWarning)],
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from lightning_opkit.core.facts import new_facts
 from lightning_opkit.core.kit import members
 from lightning_opkit.core.logging import LogWriter
+from lightning_opkit.core.warn import new_run
 
 
 def is_first(trainer: pl.Trainer, callback: Any) -> bool:
@@ -65,6 +66,7 @@ def start_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter) -> None
     callback._opkit_summarized = False
     if is_first(trainer, callback):
         new_facts(trainer)  # a new fit measures anew; the first callback's setup runs before the others'
+        new_run()  # and says each warning once again
     write_layout(trainer, callback, writer)
 
 

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from lightning_opkit.core.fp32 import in_fp32
 from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import run_step, set_rng_state
 from lightning_opkit.core.text import describe_error
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.report import Cause, Origin, not_reproduced
 
 __all__ = ["diagnose"]
@@ -54,7 +54,7 @@ def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, nam
         if failure is None and not again:
             return not_reproduced(compiled, by_replay_as_is=True)
         if failure is None:
-            fix = (f"PrecisionPolicy(modules={{{path!r}: 'fp32'}})" if culprit is not None
+            fix = (f"PrecisionPolicy(overrides={{{path!r}: 'fp32'}})" if culprit is not None
                    else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")
             return Cause("precision", f"finite with {where} in fp32, non-finite as is: try {fix}")
     if failure is not None:
@@ -87,7 +87,8 @@ def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Or
         try:
             loss, grads = run_step(model, compute_loss, backward=found.phase == "backward")
         except Exception as err:  # the step failing in a replay: the fault can be neither seen nor ruled out
-            warnings.warn(f"NaNDetector: a cause replay failed ({describe_error(err)})", stacklevel=3)
+            warn_once(f"NaNDetector: a cause replay failed ({describe_error(err)})", key=("nan", "cause replay failed"),
+                      stacklevel=3)
             return True, describe_error(err)
     if found.phase == "forward" and culprit is not None:
         return not all(bool(t.isfinite().all()) for t in outputs), None

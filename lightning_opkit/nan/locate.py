@@ -23,6 +23,7 @@ from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.ranks import local, local_floats
 from lightning_opkit.core.replay import REPLAYING, preserved, replay_backward, reshard, set_rng_state
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_function, classify_module
 
@@ -288,7 +289,8 @@ def locate(model: nn.Module, compute_loss: Callable[[], Tensor | None], rng: Any
         if not any_rank(recorder is None):
             break
     if recorder is None:
-        warnings.warn(f"NaNDetector could not replay the step to localize the non-finite value: {failure}",
+        warn_once(f"NaNDetector could not replay the step to localize the non-finite value: {failure}",
+                  key=("nan", "localization failed"),
                       stacklevel=3)
         return None
     origin = recorder.forward_origin() if forward else None

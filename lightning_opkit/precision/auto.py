@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.timing import sync
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
 from lightning_opkit.precision.decide import MIN_SPEEDUP, Decision, decide
@@ -141,7 +141,7 @@ class AutoPrecision:
             return measure_precision(model, lambda: batch, device=model.device, loss_fn=loss_fn,
                                      loss_scale=self._loss_scale, **kwargs)
         except Exception as err:  # a measurement that fails must not end the training it was meant to speed up
-            rank_zero_warn(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
+            warn_once(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
                            f" keeps its table (every class in fp32).")
             return None
 
@@ -156,7 +156,7 @@ class AutoPrecision:
             with runner.session():
                 return choose_table(runner, tables, rows, self.tolerance, n, low, agree=agree, compiled=compiled)
         except Exception as err:
-            rank_zero_warn(f"PrecisionPolicy could not run the whole-step candidates ({type(err).__name__}: {err});"
+            warn_once(f"PrecisionPolicy could not run the whole-step candidates ({type(err).__name__}: {err});"
                            f" it keeps the per-class decisions.")
             return None
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
-
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow
 from lightning_opkit.precision.decide import Decision
@@ -18,14 +17,14 @@ __all__ = ["ASIDE", "policy_markdown", "summary_lines", "write_census"]
 ASIDE = "nothing lowered on this fp32 model: the policy stands aside (the model runs as written, no census)"
 
 
-def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], modules: dict[str, str],
+def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], overrides: dict[str, str],
                     waiting: bool) -> str:
     """``opkit/precision/policy``: each class's dtype and why, then the module overrides.
 
     Args:
         table: op class -> dtype name.
         decisions: ``rules="auto"``'s decisions, by class.
-        modules: the module overrides.
+        overrides: the module overrides.
         waiting: ``rules="auto"`` before its measurement.
 
     Example:
@@ -33,7 +32,7 @@ def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], modul
         | matmul | fp32 | - |
     """
     rows = [[cls, table[cls], decisions[cls].reason if cls in decisions else "-"] for cls in OP_CLASSES]
-    rows += [[f"module {k}", v, "module override"] for k, v in modules.items()]
+    rows += [[f"module {k}", v, "module override"] for k, v in overrides.items()]
     text = markdown_table(["op class / module", "dtype", "why"], rows)
     if waiting:
         text = "rules='auto': every class in fp32 until measured at the first training batch.\n\n" + text
@@ -50,9 +49,9 @@ def write_census(writer: LogWriter | None, rows: list[CensusRow], table: dict[st
         step: the global step.
     """
     for r in near_overflow(rows):
-        rank_zero_warn(f"PrecisionPolicy: op class {r.op_class!r} in fp16 is {r.headroom_bits:.1f} bits from"
-                       f" overflow at step {step} (max |output| near finfo(fp16).max); consider running it in"
-                       f" 'fp32' or 'bf16'.")
+        warn_once(f"PrecisionPolicy: op class {r.op_class!r} in fp16 is {r.headroom_bits:.1f} bits from"
+                  f" overflow at step {step} (max |output| near finfo(fp16).max); consider running it in"
+                  f" 'fp32' or 'bf16'.", key=("precision", "fp16 headroom", r.op_class))
     if writer is None:
         return
     for cls, figures in merge_rows(rows, lambda r: r.op_class).items():
@@ -62,14 +61,14 @@ def write_census(writer: LogWriter | None, rows: list[CensusRow], table: dict[st
     writer.flush()
 
 
-def summary_lines(table: dict[str, str], decisions: dict[str, Decision], modules: dict[str, str],
+def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrides: dict[str, str],
                   autocast: str | None, passthrough: bool, auto: Any | None) -> list[str]:
     """The policy's lines of the run summary.
 
     Args:
         table: op class -> dtype name.
         decisions: ``rules="auto"``'s decisions.
-        modules: the module overrides.
+        overrides: the module overrides.
         autocast: plain autocast's dtype, when ``rules="auto"`` chose it.
         passthrough: the policy stands aside.
         auto: the :class:`~lightning_opkit.precision.auto.AutoPrecision` under ``rules="auto"``, else ``None``.
@@ -88,8 +87,8 @@ def summary_lines(table: dict[str, str], decisions: dict[str, Decision], modules
                     f" tolerance here; the policy's mode stands aside")
     if auto is not None and auto.choice is not None:
         lines.append(f"  {auto.choice.comparison()}")
-    if modules:
-        lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in modules.items()))
+    if overrides:
+        lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in overrides.items()))
     if passthrough:
         lines.append(f"  {ASIDE}")
     return lines

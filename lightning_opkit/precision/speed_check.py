@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.precision.decide import MIN_SPEEDUP
 from lightning_opkit.precision.dtypes import GOVERNED, describe_device, hardware_note
 from lightning_opkit.precision.op_timing import time_classes
@@ -43,7 +43,7 @@ def check_speed(log: OpLog, device: torch.device, table: dict[str, str]) -> Prec
     try:
         rows = time_classes(log, device, sorted({table[c] for c in classes}), classes=classes, notes=notes)
     except Exception as err:  # timing must not end the run it times
-        rank_zero_warn(f"PrecisionPolicy could not time this model's ops ({type(err).__name__}: {err}).")
+        warn_once(f"PrecisionPolicy could not time this model's ops ({type(err).__name__}: {err}).")
         return None
     rows = [r for r in rows if r.dtype == table[r.op_class]]
     measurements = PrecisionMeasurements(rows, describe_device(device), seconds=time.perf_counter() - began,
@@ -54,10 +54,10 @@ def check_speed(log: OpLog, device: torch.device, table: dict[str, str]) -> Prec
         for r in sorted(slow, key=lambda r: -(r.speed or 0.0)):
             note = hardware_note(device, r.dtype)
             parts.append(f"{r.dtype} {r.op_class} is {speed_phrase(r)} than fp32" + (f" ({note})" if note else ""))
-        rank_zero_warn(
+        warn_once(
             f"PrecisionPolicy: on this device ({describe_device(device, hardware=False)}), " + "; ".join(parts)
             + ". Measured at the shapes of this model's first training step, forward + backward. Use"
             " rules='auto' to choose each class's dtype by measurement, or set those classes to 'fp32';"
-            " PrecisionPolicy(check_speed=False) turns this check off."
+            " PrecisionPolicy(measure=False) turns this check off."
         )
     return measurements
