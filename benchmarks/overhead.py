@@ -164,7 +164,7 @@ def suite_nan_device(args) -> None:
 def suite_precision(args) -> None:
     medians = interleave({
         "bf16-mixed": lambda: (vit(), [], {"precision": "bf16-mixed"}),
-        "bf16-mixed + PrecisionPolicy": lambda: (vit(), [PrecisionPolicy(census_every_n_steps=0, check_speed=False)],
+        "bf16-mixed + PrecisionPolicy": lambda: (vit(), [PrecisionPolicy(census_every_n_steps=0, measure=False)],
                                                  {"precision": "bf16-mixed"}),
     }, args.steps, args.reps, args.skip)
     report("PrecisionPolicy (built-in table) over plain bf16-mixed, eager", medians, "bf16-mixed")
@@ -237,7 +237,7 @@ def suite_precision_auto(args) -> None:
 
 def suite_precision_compile(args) -> None:
     def compiled(policy: bool):
-        callbacks = [PrecisionPolicy(census_every_n_steps=0, check_speed=False)] if policy else []
+        callbacks = [PrecisionPolicy(census_every_n_steps=0, measure=False)] if policy else []
         return vit(), [*callbacks, TorchCompile(modules=["model.blocks.*"])], {"precision": "bf16-mixed"}
 
     medians = interleave({

@@ -105,7 +105,7 @@ def run(model_name: str, variant: str, compiled: bool, steps: int, skip: int) ->
     elif variant == "auto":
         policy = PrecisionPolicy(rules="auto", census_every_n_steps=0)
     elif variant == "built-in":
-        policy = PrecisionPolicy(census_every_n_steps=0, check_speed=False)
+        policy = PrecisionPolicy(census_every_n_steps=0, measure=False)
     if policy is not None:
         callbacks.append(policy)
     if compiled:

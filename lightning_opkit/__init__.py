@@ -18,6 +18,7 @@ from lightning_opkit.checkpointing import ActivationCheckpointing
 from lightning_opkit.checkpointing.activation_checkpointing import Price
 from lightning_opkit.compile import TorchCompile
 from lightning_opkit.compile.checkpoints import strip_compile_prefix
+from lightning_opkit.core.deprecations import OpkitDeprecationWarning
 from lightning_opkit.core.replay import replaying
 from lightning_opkit.core.select import find_blocks, module_names
 from lightning_opkit.nan import NaNDetector, NonFiniteError
@@ -56,6 +57,7 @@ __all__ = [  # noqa: RUF022 (grouped, not sorted)
     "MemoryReport",
     "NaNReport",
     "NonFiniteError",
+    "OpkitDeprecationWarning",
     "PrecisionMeasurements",
     "Price",
     "RooflineReport",

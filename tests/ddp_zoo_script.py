@@ -34,9 +34,9 @@ if __name__ == "__main__":
     detector = NaNDetector(action="skip")
     compiler = TorchCompile(modules=["model.encoder.layers.*"] if regional else None, backend="eager")
     if auto:
-        policy = SkewedAuto(rules="auto", modules={"model.head": "fp32"}, census_every_n_steps=2)
+        policy = SkewedAuto(rules="auto", overrides={"model.head": "fp32"}, census_every_n_steps=2)
     else:
-        policy = PrecisionPolicy(modules={"model.head": "fp32"}, census_every_n_steps=2)
+        policy = PrecisionPolicy(overrides={"model.head": "fp32"}, census_every_n_steps=2)
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1)
     # regional: the compiled blocks also checkpointed (both wrap each block's forward)
     extra = [ActivationCheckpointing(modules=["model.encoder.layers.*"], measure=False)] if regional and not auto \

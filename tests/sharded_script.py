@@ -187,7 +187,7 @@ def callbacks_for(name, root):
     if "auto" in name:
         made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2)
     elif "precision" in name or everything:
-        made["precision"] = PrecisionPolicy(census_every_n_steps=2, check_speed=False)
+        made["precision"] = PrecisionPolicy(census_every_n_steps=2, measure=False)
     if "profiler" in name or everything:
         made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,  # logger=False: the
                                            roofline=name == "profiler", memory="all5" in name,  # traces asked for

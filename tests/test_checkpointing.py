@@ -205,7 +205,7 @@ def test_a_recompute_runs_the_code_its_forward_ran_in_speed_trials_and_census_st
     # that ends before backward: the checkpoint's recompute must run eager code there too (aot_eager saves other
     # tensors than eager code does, and the checkpoint checks that it saved the same)
     def callbacks(checkpointing):
-        return [PrecisionPolicy(census_every_n_steps=2, check_speed=False),
+        return [PrecisionPolicy(census_every_n_steps=2, measure=False),
                 *([ActivationCheckpointing(measure=False)] if checkpointing else []),
                 TorchCompile(modules="auto", backend="aot_eager")]
 
@@ -231,7 +231,7 @@ def test_census_steps_inside_checkpointed_blocks_change_nothing(tmp_path, name, 
     # neither be cached by the selective checkpoint (its outputs came back out of order in the recompute) nor saved
     # for backward, and an in-place op (ReLU(inplace=True)) must not be run again in place on the caller's input.
     def policy(census):
-        return PrecisionPolicy(rules={"matmul": "bf16", "activation": "bf16"}, check_speed=False,
+        return PrecisionPolicy(rules={"matmul": "bf16", "activation": "bf16"}, measure=False,
                                census_every_n_steps=census)
 
     blocks = ["model." + CASES[name].blocks]
@@ -253,7 +253,7 @@ def test_whole_model_compile_governs_and_checkpoints_batchnorm_blocks(tmp_path, 
     # (its convolution met a bf16 input and fp32 weights); under the "eager" backend a traced checkpoint that updates
     # BatchNorm's buffers fails in backward, so those blocks are checkpointed outside the graph instead.
     def callbacks(compiled):
-        policy = PrecisionPolicy(rules={"conv": "bf16"}, check_speed=False, census_every_n_steps=0)
+        policy = PrecisionPolicy(rules={"conv": "bf16"}, measure=False, census_every_n_steps=0)
         checkpointing = ActivationCheckpointing(modules=["model.layers.*"], measure=False)
         return [policy, checkpointing, *([TorchCompile(backend=backend, fallback=False)] if compiled else [])]
 
@@ -276,7 +276,7 @@ def test_a_graph_break_around_a_compiled_checkpoint_recomputes_in_the_forward_dt
     # The memory view's saved-tensor hooks make dynamo run a traced checkpoint call eagerly; its recompute then ran
     # the block's Python without the policy's mode (fp32 where the forward ran bf16) and backward failed.
     def callbacks(windows):
-        return [PrecisionPolicy(rules={"matmul": "bf16"}, check_speed=False, census_every_n_steps=5),
+        return [PrecisionPolicy(rules={"matmul": "bf16"}, measure=False, census_every_n_steps=5),
                 *([ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory=True)] if windows else []),
                 ActivationCheckpointing(modules=["model.blocks.*"], measure=False), TorchCompile(backend="eager")]
 
@@ -296,7 +296,7 @@ def test_a_recompute_stopped_early_inside_a_compiled_region_leaves_autocast_as_i
     # A compiled region enters and leaves autocast as two graph calls (the policy's casts run with autocast off); the
     # checkpoint's recompute stops early between them, and each step left one autocast level entered: autocast then
     # never dropped its cache of cast weights, and a later bf16-mixed run computed with stale ones.
-    callbacks = [PrecisionPolicy(check_speed=False, census_every_n_steps=0),
+    callbacks = [PrecisionPolicy(measure=False, census_every_n_steps=0),
                  TorchCompile(backend="eager", modules=["model.transformer.h.*"]),
                  ActivationCheckpointing(modules=["model.transformer.h.*"], measure=False)]
     _fit(tmp_path, "hf_gpt2", callbacks, steps=4, precision=precision)

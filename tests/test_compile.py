@@ -274,7 +274,7 @@ def test_policy_module_override_hooks_apply_inside_compiled_regions(tmp_path):
     model.blocks[0].fc.register_forward_hook(record)
     model.blocks[1].fc.register_forward_hook(record)
     # hooks for the fp32 override are registered at setup, before the blocks' first (lazy) compilation
-    policy = PrecisionPolicy(modules={"blocks.0.fc": "fp32"}, census_every_n_steps=0)
+    policy = PrecisionPolicy(overrides={"blocks.0.fc": "fp32"}, census_every_n_steps=0)
     cb = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer(tmp_path, [cb, policy], max_steps=2).fit(model, make_loader())
     assert seen_in_graph[model.blocks[0].fc] == torch.float32
@@ -366,7 +366,7 @@ def test_auto_without_repeated_blocks_fails_clearly(tmp_path):
 
 def test_per_region_figures_and_measured_speedup(tmp_path):
     # timed on its own calls (two warm-up, then three compiled and three eager, alternating): eight steps
-    compiler = TorchCompile(modules=["blocks.*"], backend="eager", measure_speedup=True, eager_if_slower=False)
+    compiler = TorchCompile(modules=["blocks.*"], backend="eager", measure=True, eager_if_slower=False)
     trainer(tmp_path, [compiler], max_steps=8).fit(Blocks(depth=2), make_loader())
     first, second = compiler.regions["blocks.0"], compiler.regions["blocks.1"]
     assert first.calls == second.calls == 8
@@ -492,11 +492,18 @@ def test_a_region_slower_compiled_runs_eagerly_after_its_measurement(tmp_path):
     assert "eager (compiled measured slower)" in texts["opkit/compile/regions"][-1][1]
 
 
-def test_eager_if_slower_off_keeps_every_region_compiled(tmp_path):
+def test_eager_if_slower_off_keeps_every_region_compiled_and_still_reports_its_speedup(tmp_path):
     compiler = TorchCompile(modules=["blocks.*"], backend="opkit_test_slow", eager_if_slower=False)
     trainer(tmp_path, [compiler], max_steps=11).fit(Blocks(depth=2), make_loader(n=96))
     assert not any(r.slower for r in compiler.regions.values())
-    assert all(r.speedup is None for r in compiler.regions.values())  # not measured either
+    assert all(r.speedup is not None and r.speedup < 1 for r in compiler.regions.values())  # measured slower
+
+
+def test_measure_off_times_nothing_and_keeps_every_region_compiled(tmp_path):
+    compiler = TorchCompile(modules=["blocks.*"], backend="opkit_test_slow", measure=False)
+    trainer(tmp_path, [compiler], max_steps=11).fit(Blocks(depth=2), make_loader(n=96))
+    assert not any(r.slower for r in compiler.regions.values())
+    assert all(r.speedup is None for r in compiler.regions.values())
 
 
 def test_recompiles_every_run_has_are_counted_not_warned(tmp_path, recwarn):

@@ -36,7 +36,7 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     opkit = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
     assert [type(c).__name__ for c in opkit] == names
     assert opkit[0].rules == "auto"
-    assert opkit[0].modules == {"model.head": "fp32"}
+    assert opkit[0].overrides == {"model.head": "fp32"}
     assert opkit[1].action == "skip"
     assert opkit[1].spike_zscore == 6.0
     assert opkit[2].memory

@@ -170,7 +170,7 @@ def test_modules_glob_matching_nothing_fails_at_setup_with_names(tmp_path):
     "kwargs, match",
     [
         (dict(action="ignore"), r"`action`.*\['raise', 'skip', 'warn', 'stop'\].*'ignore'"),
-        (dict(every_n_steps=0), "`every_n_steps`.*0"),
+        (dict(every_n_steps=-1), "`every_n_steps`.*-1"),  # 0 is off
         (dict(max_consecutive_skips=0), "`max_consecutive_skips`"),
         (dict(check_forward=False, check_backward=False, check_loss=False), "At least one"),
         (dict(modules="head"), "`modules`"),

@@ -50,12 +50,12 @@ def test_fp16_overflow_is_a_precision_cause_with_the_fix_named(tmp_path, lowered
     before = snapshot(model)
     callbacks = [NaNDetector(action="raise")]
     if lowered_by == "policy":
-        callbacks.append(PrecisionPolicy(rules={"matmul": "fp32"}, modules={"big": "fp16"}, check_speed=False))
+        callbacks.append(PrecisionPolicy(rules={"matmul": "fp32"}, overrides={"big": "fp16"}, measure=False))
     with pytest.raises(NonFiniteError) as info:
         trainer(tmp_path, callbacks, max_steps=2, plugins=_fp16()).fit(model, make_loader())
     report = info.value.report
     assert (report["module"], report["phase"], report["cause"]) == ("big", "forward", "precision")
-    assert "PrecisionPolicy(modules={'big': 'fp32'})" in str(info.value)
+    assert "PrecisionPolicy(overrides={'big': 'fp32'})" in str(info.value)
     assert snapshot(model) == before  # the extra replays left nothing behind
     _, texts = read_events(str(tmp_path))
     assert "precision" in texts["opkit/nan/cause"][0][1]
@@ -74,7 +74,7 @@ def test_an_overflow_that_is_fine_in_fp32_trains_in_fp32():
 
 def test_a_model_nan_is_data_or_model(tmp_path):
     detector = NaNDetector(action="skip")
-    policy = PrecisionPolicy(census_every_n_steps=0, check_speed=False)
+    policy = PrecisionPolicy(census_every_n_steps=0, measure=False)
     trainer(tmp_path, [detector, policy], max_steps=3).fit(Net(fault_step=1), make_loader())
     (report,) = detector.events
     assert (report["module"], report["phase"], report["cause"]) == ("", "forward", "data_or_model")
@@ -142,7 +142,7 @@ def test_an_fp16_overflow_under_16_true_is_a_precision_cause(tmp_path):
     report = info.value.report
     assert (report["module"], report["phase"], report["dtype"]) == ("boom", "forward", "float16")
     assert report["cause"] == "precision", report["advice"]
-    assert "PrecisionPolicy(modules={'boom': 'fp32'})" in report["advice"]
+    assert "PrecisionPolicy(overrides={'boom': 'fp32'})" in report["advice"]
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 

@@ -74,14 +74,14 @@ def test_without_policy_autocast_decides(tmp_path):
 def test_class_rules_and_module_overrides(tmp_path):
     model = Probe()
     policy = PrecisionPolicy(rules={"matmul": "fp32", "norm": "bf16", "activation": "keep"},
-                             modules={"inner": "bf16", "head": "fp32"})
+                             overrides={"inner": "bf16", "head": "fp32"})
     trainer(tmp_path, [policy], max_steps=1).fit(model, make_loader())
     assert model.seen == dict(linear=FP, norm=BF, softmax=FP, gelu=FP, matmul=FP, inner=BF, head=FP, loss=FP)
 
 
 def test_innermost_module_rule_wins(tmp_path):
     model = Probe()
-    policy = PrecisionPolicy(rules={"matmul": "fp32"}, modules={"inner": "fp32", "inner.0": "bf16"})
+    policy = PrecisionPolicy(rules={"matmul": "fp32"}, overrides={"inner": "fp32", "inner.0": "bf16"})
     trainer(tmp_path, [policy], max_steps=1).fit(model, make_loader())
     assert (model.seen["inner"], model.seen["head"]) == (BF, FP)
     assert policy.dtype_for("matmul", "inner.0") == "bf16"
@@ -107,7 +107,7 @@ def test_gradients_reach_every_parameter(tmp_path):
 
 def test_census_in_tensorboard_matches_the_activations(tmp_path):
     model = Probe(scale=3.0)
-    policy = PrecisionPolicy(census_every_n_steps=2, modules={"head": "fp32"}, check_speed=False)
+    policy = PrecisionPolicy(census_every_n_steps=2, overrides={"head": "fp32"}, measure=False)
     trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
     scalars, texts = read_events(str(tmp_path))
     steps = [s for s, _ in scalars["opkit/precision/norm/calls"]]
@@ -176,7 +176,7 @@ class Tiny(pl.LightningModule):
 
 def test_fp16_census_charts_headroom_and_underflow(tmp_path):
     model = Tiny()
-    policy = PrecisionPolicy(rules={"matmul": "fp16"}, census_every_n_steps=1, check_speed=False)
+    policy = PrecisionPolicy(rules={"matmul": "fp16"}, census_every_n_steps=1, measure=False)
     plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     trainer(tmp_path, [policy], max_steps=1, plugins=[plugin]).fit(model, make_loader())
     scalars, _ = read_events(str(tmp_path))
@@ -209,7 +209,7 @@ def test_fp16_without_loss_scaling_fails_at_setup(tmp_path):
     with pytest.raises(ValueError, match=r"\['matmul'\] in fp16.*precision='16-mixed'"):
         trainer(tmp_path, [PrecisionPolicy(rules={"matmul": "fp16"})], max_steps=1).fit(Probe(), make_loader())
     with pytest.raises(ValueError, match=r"module head"):
-        trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp16"})], max_steps=1, precision="16-true").fit(
+        trainer(tmp_path, [PrecisionPolicy(overrides={"head": "fp16"})], max_steps=1, precision="16-true").fit(
             Probe(), make_loader())
 
 
@@ -249,13 +249,13 @@ def test_16_true_goes_non_finite_and_the_policy_keeps_it_finite(tmp_path):
 def test_model_untouched_after_teardown_and_after_an_exception(tmp_path):
     model = Probe()
     before = snapshot(model)
-    trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp32"})], max_steps=1).fit(model, make_loader())
+    trainer(tmp_path, [PrecisionPolicy(overrides={"head": "fp32"})], max_steps=1).fit(model, make_loader())
     assert snapshot(model) == before
     assert torch._C._len_torch_function_stack() == 0
     failing = Probe(fail_at=1)
     before = snapshot(failing)
     with pytest.raises(RuntimeError, match="boom"):
-        trainer(tmp_path, [PrecisionPolicy(modules={"head": "fp32"})], max_steps=3).fit(failing, make_loader())
+        trainer(tmp_path, [PrecisionPolicy(overrides={"head": "fp32"})], max_steps=3).fit(failing, make_loader())
     assert snapshot(failing) == before
     assert torch._C._len_torch_function_stack() == 0
     assert "training_step" not in vars(failing)
@@ -280,7 +280,7 @@ def test_validation_steps_are_governed_too(tmp_path):
         (dict(rules={"gemm": "bf16"}), r"unknown op class 'gemm'.*'matmul'"),
         (dict(rules={"norm": "float32"}), r"'float32'.*\['fp32', 'bf16', 'fp16', 'keep'\]"),
         (dict(default="half"), r"`default`.*'half'"),
-        (dict(modules={"head": "fp64"}), r"modules\['head'\]"),
+        (dict(overrides={"head": "fp64"}), r"overrides\['head'\]"),
         (dict(census_every_n_steps=-1), "census_every_n_steps"),
         (dict(rules="auto", whole_step="yes"), r"`whole_step`.*'yes'"),
         (dict(rules="auto", trial_rounds=-1), r"`trial_rounds`.*-1"),
@@ -294,7 +294,7 @@ def test_bad_config(kwargs, match):
 
 def test_module_glob_matching_nothing_fails_at_setup(tmp_path):
     with pytest.raises(ValueError, match=r"'heads'.*'head'"):
-        trainer(tmp_path, [PrecisionPolicy(modules={"heads": "fp32"})], max_steps=1).fit(Probe(), make_loader())
+        trainer(tmp_path, [PrecisionPolicy(overrides={"heads": "fp32"})], max_steps=1).fit(Probe(), make_loader())
 
 
 def test_does_not_invent_a_validation_step(tmp_path):
@@ -348,7 +348,7 @@ def test_census_recomputes_random_ops_with_their_own_random_numbers(tmp_path):
     for every in (1, 0):
         torch.manual_seed(0)
         model = DropAttention()
-        policy = PrecisionPolicy(rules={"attention": "bf16"}, census_every_n_steps=every, check_speed=False)
+        policy = PrecisionPolicy(rules={"attention": "bf16"}, census_every_n_steps=every, measure=False)
         trainer(tmp_path / str(every), [policy], max_steps=3).fit(model, make_loader())
         runs[every] = (model, policy)
     attention = runs[1][1].census[("attention", "bf16")]
@@ -362,7 +362,7 @@ def test_under_16_mixed_the_default_table_lowers_to_fp16_and_mixed_rules_are_ref
         scaler = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
         trainer(tmp_path, [policy], max_steps=1, plugins=[scaler]).fit(TinyNet(), make_loader())
 
-    default = PrecisionPolicy(check_speed=False, census_every_n_steps=0)
+    default = PrecisionPolicy(measure=False, census_every_n_steps=0)
     fit(default)
     assert {default.table[c] for c in ("matmul", "conv", "attention", "activation")} == {"fp16"}
     assert default.table["norm"] == "fp32"
@@ -372,4 +372,4 @@ def test_under_16_mixed_the_default_table_lowers_to_fp16_and_mixed_rules_are_ref
     with pytest.raises(ValueError, match=r"runs \['matmul'\] in bf16 while Trainer\(precision='16-mixed'\) autocasts"):
         fit(PrecisionPolicy(rules={"matmul": "bf16"}))
     with pytest.raises(ValueError, match=r"\['module head'\] in bf16"):
-        fit(PrecisionPolicy(rules={"matmul": "fp16"}, modules={"head": "bf16"}))
+        fit(PrecisionPolicy(rules={"matmul": "fp16"}, overrides={"head": "bf16"}))

@@ -187,7 +187,7 @@ def test_auto_runs_each_class_in_the_decided_dtype(tmp_path):
 
 
 def test_auto_re_measures_every_n_steps(tmp_path):
-    policy = PrecisionPolicy(rules="auto", measure_every_n_steps=2, census_every_n_steps=0)
+    policy = PrecisionPolicy(rules="auto", remeasure_every_n_steps=2, census_every_n_steps=0)
     trainer(tmp_path, [policy], max_steps=5).fit(Probe(), make_loader())
     scalars, _ = read_events(str(tmp_path))
     assert [s for s, _ in scalars["opkit/precision/measure_s"]] == [0, 2, 4]
@@ -206,14 +206,14 @@ def test_explicit_rules_warn_once_when_a_dtype_is_measured_slower(tmp_path, recw
     if matmul.speed > 1.05:
         assert len(slow) == 1
         assert f"bf16 matmul is {matmul.speed:.2f}x slower than fp32" in slow[0]
-        assert "check_speed=False" in slow[0]
+        assert "measure=False" in slow[0]
         assert "rules='auto'" in slow[0]
         if NO_BF16_UNITS:
             assert "no native bf16 units" in slow[0]
     else:
         assert not any("bf16 matmul is" in w for w in slow)
     recwarn.clear()
-    quiet = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, check_speed=False)
+    quiet = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, measure=False)
     trainer(tmp_path / "quiet", [quiet], max_steps=1).fit(Probe(), make_loader())
     assert quiet.measurements is None
     assert not [w for w in recwarn if "slower than fp32" in str(w.message)]
@@ -247,7 +247,7 @@ def test_measurement_leaves_the_training_run_unchanged(tmp_path, monkeypatch, wi
         trainer(tmp_path / "b", [], max_steps=3, precision="bf16-mixed").fit(plain, make_loader())
     else:
         rules = {c: d for c, d in auto.table.items() if c in auto.decisions}
-        fixed = PrecisionPolicy(rules=rules, default="fp32", census_every_n_steps=0, check_speed=False)
+        fixed = PrecisionPolicy(rules=rules, default="fp32", census_every_n_steps=0, measure=False)
         trainer(tmp_path / "b", [fixed], max_steps=3).fit(plain, make_loader())
     assert snapshot(measured) == snapshot(plain)
     differ = [n for (n, a), b in zip(measured.named_parameters(), plain.parameters()) if not torch.equal(a, b)]
@@ -347,6 +347,6 @@ def test_auto_with_nothing_to_lower_stands_aside_and_the_model_runs_as_written(t
     assert any("stands aside" in line for line in auto.summary_lines())
     _, texts = read_events(str(tmp_path))
     assert "stands aside" in texts["opkit/precision/decision"][0][1]
-    fixed = PrecisionPolicy(rules={"matmul": "fp32"}, census_every_n_steps=0, check_speed=False)
+    fixed = PrecisionPolicy(rules={"matmul": "fp32"}, census_every_n_steps=0, measure=False)
     trainer(tmp_path / "fixed", [fixed], max_steps=1).fit(model, make_loader())
     assert model.seen["explicit"] == torch.float32  # explicit rules decide every op, user-made bf16 included

@@ -23,7 +23,7 @@ def test_compiled_regions_follow_a_decision_taken_after_they_were_compiled(tmp_p
     # Block 0's input comes from `inp` (matmul, fp32 either way) and grad mode stays on in training, so no other guard
     # than the policy's table can make the region recompile when the decision changes at step 2.
     model.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    policy = Changing([], measure_every_n_steps=2, census_every_n_steps=0, whole_step=False)
+    policy = Changing([], remeasure_every_n_steps=2, census_every_n_steps=0, whole_step=False)
     compiler = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer(tmp_path, [policy, compiler], max_steps=4).fit(model, make_loader(n=48))
     assert compiler.watch.frames > 0

@@ -196,7 +196,7 @@ class HookedProbe(Probe):
 
 def test_the_speed_check_of_explicit_rules_runs_no_extra_forward(tmp_path):
     model = HookedProbe()
-    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0)  # check_speed=True
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0)  # measure=True
     trainer(tmp_path, [policy], max_steps=3).fit(model, make_loader())
     assert model.forwards == [BF, BF, BF]
     assert model.replays == [False, False, False]
@@ -232,7 +232,7 @@ class AutocastOffRegion(Probe):
 @pytest.mark.parametrize("census", [0, 1])
 def test_a_region_where_the_user_turned_autocast_off_runs_as_written(tmp_path, census):
     model = AutocastOffRegion()
-    policy = PrecisionPolicy(census_every_n_steps=census, check_speed=False)
+    policy = PrecisionPolicy(census_every_n_steps=census, measure=False)
     trainer(tmp_path, [policy], max_steps=3, precision="bf16-mixed").fit(model, make_loader())
     assert model.seen["off_region"] == [(FP, FP)] * 3  # every step, census steps included
     assert model.seen["matmul"] == BF
@@ -361,7 +361,7 @@ def test_no_candidate_leaves_a_gemm_to_keep_so_none_fails_on_mixed_inputs():
 
 
 def test_a_re_measurement_during_the_trials_ends_the_trial_step_in_progress():
-    # measure_every_n_steps can re-measure while the last measurement's contenders are still on trial: the step begun
+    # remeasure_every_n_steps can re-measure while the last measurement's contenders are still on trial: the step begun
     # for one of them must not be booked to the new trials, whose contenders may be others (a KeyError before).
     from lightning_opkit.precision.auto import AutoPrecision
     from lightning_opkit.precision.results import PrecisionMeasurements

@@ -180,7 +180,7 @@ def test_resume_continues_the_window_count(tmp_path):
         (dict(warmup=-1), "`warmup`"),
         (dict(every_n_steps=4, warmup=2, active=3), "warmup.*active.*every_n_steps`=4"),
         (dict(top_k=0), "`top_k`"),
-        (dict(every_n_steps=0), "`every_n_steps`"),
+        (dict(every_n_steps=-1), "`every_n_steps`"),  # 0 is off (tests/test_vocabulary.py)
     ],
 )
 def test_impossible_windows(kwargs, match):

@@ -94,7 +94,7 @@ def test_d05_module_overrides_hold_on_every_backend(tmp_path, backend):
     for compiled in (False, True):
         model = build("hf_gpt2")
         probe = StepProbe()
-        policy = PrecisionPolicy(modules={"model.lm_head": "fp32", "model.transformer.h.1.mlp": "fp32"},
+        policy = PrecisionPolicy(overrides={"model.lm_head": "fp32", "model.transformer.h.1.mlp": "fp32"},
                                  census_every_n_steps=0)
         compiler = [TorchCompile(modules=["model.transformer.h.*"], backend=backend)] if compiled else []
         run = trainer(tmp_path / str(compiled), [policy, *compiler, probe], max_steps=3)
@@ -125,7 +125,7 @@ def test_d06_policy_leaves_autocast_off_where_the_user_turned_it_off(tmp_path):
 
 @pytest.mark.parametrize("kwargs, precision", [
     (dict(rules={"norm": "bf16"}), "32-true"),
-    (dict(modules={"model.layers.*": "bf16"}), "32-true"),
+    (dict(overrides={"model.layers.*": "bf16"}), "32-true"),
     (dict(), "bf16-true"),
 ])
 def test_d07_batchnorm_running_stats_update_under_any_cast(tmp_path, kwargs, precision):
@@ -143,8 +143,8 @@ def test_d07_batchnorm_running_stats_update_under_any_cast(tmp_path, kwargs, pre
     (dict(rules="matmul"), r"Expected `rules` to be 'auto', a dict.*'matmul'"),
     (dict(rules={"matmul": ["bf16"]}), r"`rules\['matmul'\]` is \['bf16'\]; expected one of"),
     (dict(rules={"other": "bf16"}), r"cannot set op class 'other'.*never casts"),
-    (dict(modules=["head"]), r"Expected `modules` to be a dict"),
-    (dict(modules={"head": ["fp32"]}), r"`modules\['head'\]`"),
+    (dict(overrides=["head"]), r"Expected `overrides` to be a dict"),
+    (dict(overrides={"head": ["fp32"]}), r"`overrides\['head'\]`"),
 ])
 def test_d08_bad_types_give_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

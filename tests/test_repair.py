@@ -51,7 +51,7 @@ def _precision(setup):
     if setup == "16-mixed":
         return scaler, []
     if setup == "policy-fp16":
-        return scaler, [PrecisionPolicy(rules={"matmul": "fp16", "attention": "fp16"}, check_speed=False,
+        return scaler, [PrecisionPolicy(rules={"matmul": "fp16", "attention": "fp16"}, measure=False,
                                         census_every_n_steps=0)]
     return dict(precision="16-true"), []
 
@@ -149,5 +149,5 @@ def test_a_grad_scaler_collapse_is_reported_once_with_its_module(tmp_path):
     assert (event["step"], event["phase"], event["module"]) == (10, "backward", "body.3")
     assert event["cause"] == "precision"
     assert "loss scaling cannot fix" in event["advice"]
-    assert "PrecisionPolicy(modules={'body.3': 'fp32'})" in event["advice"]
+    assert "PrecisionPolicy(overrides={'body.3': 'fp32'})" in event["advice"]
     assert detector.skipped_steps == 0  # the scaler skipped them, not the detector

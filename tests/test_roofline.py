@@ -357,7 +357,7 @@ def test_mfu_charges_each_dtype_at_its_own_peak_under_a_precision_policy(tmp_pat
     from lightning_opkit import PrecisionPolicy
 
     model = build("torch_encoder")
-    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, check_speed=False)
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, census_every_n_steps=0, measure=False)
     windows = ProfilerWindows(every_n_steps=3, warmup=0, active=1, roofline=True, export_trace=False)
     _fit(tmp_path, model, [policy, windows], steps=4)
     roofline = windows.last_roofline

@@ -213,7 +213,7 @@ def test_a_spike_only_in_bf16_is_called_precision_and_its_module_named(tmp_path)
 
     batches = _pattern(FAULT_STEP + 5)
     detector = NaNDetector(action="skip", spike_zscore=6.0)
-    policy = PrecisionPolicy(rules={"matmul": "bf16"}, check_speed=False, census_every_n_steps=0)
+    policy = PrecisionPolicy(rules={"matmul": "bf16"}, measure=False, census_every_n_steps=0)
     model, losses = _fit(tmp_path, "hf_gpt2", batches, detector, policy,
                          Times30InBf16("transformer.h.0.attn.c_proj", batches[FAULT_STEP]))
     [event] = detector.events

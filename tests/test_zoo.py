@@ -66,7 +66,7 @@ def _policy_run(tmp_path, name, backend):
     case = model.case
     seen = _dtype_recorder(model, [case.gemm, case.norm, case.override])
     # check_speed on (the default): it times the ops the first step ran, so the dtype hooks see each step once
-    policy = PrecisionPolicy(rules={"rnn": "bf16"}, modules={"model." + case.override: "fp32"},
+    policy = PrecisionPolicy(rules={"rnn": "bf16"}, overrides={"model." + case.override: "fp32"},
                              census_every_n_steps=0)
     callbacks = [policy]
     if backend is not None:
@@ -134,7 +134,7 @@ def test_all_four_together(tmp_path, name):
     model = build(name, faults={"forward": 3})
     case = model.case
     before = snapshot(model)
-    policy = PrecisionPolicy(rules={"rnn": "bf16"}, modules={"model." + case.override: "fp32"},
+    policy = PrecisionPolicy(rules={"rnn": "bf16"}, overrides={"model." + case.override: "fp32"},
                              census_every_n_steps=2)
     detector = NaNDetector(action="skip")
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1)

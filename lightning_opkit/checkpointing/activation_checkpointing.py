@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_opkit.checkpointing.region import CheckpointedForward
 from lightning_opkit.core.callback import OpkitCallback
-from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int
+from lightning_opkit.core.checks import check_bools, check_choices, check_globs, check_int
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.saved import SavedBytes
@@ -95,7 +95,7 @@ class ActivationCheckpointing(OpkitCallback):
 
     def __init__(
         self,
-        modules: Union[Literal["auto"], list[str], None] = "auto",
+        modules: Union[list[str], Literal["auto"], None] = None,
         save: Optional[list[str]] = None,
         measure: bool = True,
         measure_steps: int = 3,
@@ -103,14 +103,9 @@ class ActivationCheckpointing(OpkitCallback):
         log_dir: Optional[str] = None,
     ) -> None:
         super().__init__(enabled, log_dir)
-        if modules is None:
-            modules = "auto"
-        elif modules != "auto":
-            check_globs("modules", modules)
-        if save is not None and not isinstance(save, list):
-            raise ValueError(f"Expected `save` to be a list of operator classes or None, but got {save!r}")
-        for name in save or []:
-            check_choice("save", name, OP_CLASSES)
+        check_globs("modules", modules, ("auto",))
+        modules = "auto" if modules is None else modules
+        check_choices("save", save, OP_CLASSES)
         check_bools(measure=measure)
         check_int("measure_steps", measure_steps, 1)
         self.modules = modules if modules == "auto" else list(modules)

@@ -65,8 +65,7 @@ def check_compile_args(modules: Any, backend: Any, mode: Any, options: Any, dyna
         if mode is not None:
             raise ValueError("`mode` and `options` cannot both be set (torch.compile takes one or the other)")
         _check_options(backend, options)
-    if modules != "auto":
-        check_globs("modules", modules)
+    check_globs("modules", modules, ("auto",))
     check_bools(**bools)
     check_choice("on_recompile_limit", on_recompile_limit, ON_RECOMPILE_LIMIT)
     if dynamic is not None and not isinstance(dynamic, bool):

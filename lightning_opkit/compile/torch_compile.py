@@ -12,7 +12,6 @@ Logged (rank zero): ``opkit/compile/compile_time_s``, ``compiles``, ``graphs``, 
 from __future__ import annotations
 
 import statistics
-import warnings
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -28,12 +27,14 @@ from lightning_opkit.compile.region import CompiledForward, RegionHooks, limit_m
 from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.deprecations import renamed
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import RunsModulesInDtype, offering
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import StepClock
 from lightning_opkit.core.torch_compat import FUNCTION_MODES_UNDER_AOT
+from lightning_opkit.core.warn import warn_once
 
 __all__ = ["TorchCompile"]
 
@@ -63,19 +64,23 @@ class TorchCompile(OpkitCallback):
             dynamo silently runs it eagerly): ``"warn"`` names the guard that keeps failing; ``"eager"`` warns, then
             runs that region with ``torch.compiler.set_stance("eager_on_recompile")`` (its compiled code is reused,
             nothing new is compiled); ``"raise"`` raises a ``RuntimeError``.
-        measure_speedup: once per region, after it has compiled, time it compiled against eager on its own next
-            training calls (two warm-up calls, then three of each, alternating; no extra call, on the device's
-            clock), and report eager / compiled time.
-        eager_if_slower: time each region so (whatever ``measure_speedup`` says) and, where compiled measured more
-            than 10% slower than eager, run it eagerly from then on (its compiled code kept, unused); named in the
-            regions table, ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling is
-            meant to speed training up, and fusion is not always a win (small or launch-bound regions, a region
-            whose graph breaks); the price is three of each region's calls run eagerly once. Under DDP and FSDP2
-            every rank takes rank zero's figure, so all run a region alike. ``False`` keeps every region compiled.
+        measure: measure before deciding: once per region, after it has compiled, time it compiled against eager on
+            its own next training calls (two warm-up calls, then three of each, alternating; no extra call, on the
+            device's clock) and report eager / compiled time; the price is three of each region's calls run eagerly
+            once. ``False`` times nothing, and every region stays compiled. (Was ``measure_speedup``, which was off by
+            default while ``eager_if_slower`` timed anyway.)
+        eager_if_slower: with ``measure``, where compiled measured more than 10% slower than eager, run that region
+            eagerly from then on (its compiled code kept, unused); named in the regions table,
+            ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling is meant to speed
+            training up, and fusion is not always a win (small or launch-bound regions, a region whose graph breaks).
+            Under DDP and FSDP2 every rank takes rank zero's figure, so all run a region alike. ``False`` keeps every
+            region compiled, its speedup still reported.
         enabled: attach the callback; ``False`` (or its area, ``compile``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
             then: ``logger=False`` writes no file).
+        measure_speedup: the old name of ``measure``; it works for this release and warns
+            (:class:`~lightning_opkit.core.deprecations.OpkitDeprecationWarning`).
 
     Example:
         >>> compiler = TorchCompile(modules=["model.blocks.*"], backend="aot_eager")
@@ -96,14 +101,18 @@ class TorchCompile(OpkitCallback):
         options: Optional[dict[str, Any]] = None,
         fallback: bool = True,
         on_recompile_limit: Literal["warn", "eager", "raise"] = "warn",
-        measure_speedup: bool = False,
+        measure: bool = True,
         eager_if_slower: bool = True,
         enabled: bool = True,
         log_dir: Optional[str] = None,
+        measure_speedup: Optional[bool] = None,
     ) -> None:
         super().__init__(enabled, log_dir)
+        if measure_speedup is not None:  # the old flag was off by default, yet eager_if_slower timed each region
+            measure_speedup = measure_speedup or eager_if_slower
+        measure = renamed(type(self).__name__, "measure_speedup", measure_speedup, "measure", measure, True)
         check_compile_args(modules, backend, mode, options, dynamic, on_recompile_limit, fullgraph=fullgraph,
-                           fallback=fallback, measure_speedup=measure_speedup, eager_if_slower=eager_if_slower)
+                           fallback=fallback, measure=measure, eager_if_slower=eager_if_slower)
         self.modules: list[str] | str | None = modules if modules in (None, "auto") else list(modules)
         self.backend = backend
         self.mode = mode
@@ -112,7 +121,7 @@ class TorchCompile(OpkitCallback):
         self.options = dict(options) if options is not None else None
         self.fallback = fallback
         self.on_recompile_limit = on_recompile_limit
-        self.measure_speedup = measure_speedup
+        self.measure = measure
         self.eager_if_slower = eager_if_slower
 
         #: module paths compiled in this run ("" = the LightningModule)
@@ -153,7 +162,7 @@ class TorchCompile(OpkitCallback):
         hooks = RegionHooks(on_failure=(lambda err: self._fall_back(trainer, err)) if self.fallback else None,
                             on_recompile=self._check_recompile_limit,
                             on_slower=lambda region: self._run_eager(trainer, region),
-                            speedup=self.measure_speedup, eager_if_slower=self.eager_if_slower,
+                            speedup=self.measure, eager_if_slower=self.measure and self.eager_if_slower,
                             sizes_dynamic=self.dynamic is not False,
                             agree=lambda value: trainer.strategy.broadcast(value, src=0))
         for name, module in targets:
@@ -217,7 +226,7 @@ class TorchCompile(OpkitCallback):
                      " new is compiled.")
         else:
             text += " Mark the changing dimension dynamic, raise the limit, or set on_recompile_limit='eager'."
-        warnings.warn(text, stacklevel=3)
+        warn_once(text, stacklevel=3)
 
     def _run_eager(self, trainer: pl.Trainer, region: Region) -> None:
         facts_of(trainer).eager_regions[region.name] = region.speedup or 0.0
@@ -228,7 +237,7 @@ class TorchCompile(OpkitCallback):
     def _fall_back(self, trainer: pl.Trainer, err: BaseException) -> None:
         self.error = describe_error(err, limit=None)
         self._patches.restore()  # every compiled region goes back to eager, once
-        warnings.warn(f"TorchCompile: compilation failed, training continues eagerly. {self.error}", stacklevel=4)
+        warn_once(f"TorchCompile: compilation failed, training continues eagerly. {self.error}", stacklevel=4)
         if self._writer is not None:
             self._writer.scalar("opkit/compile/eager_fallback", 1, trainer.global_step)
             self._writer.text("opkit/compile/error", f"Compilation failed; training continues eagerly.\n\n"
@@ -309,7 +318,7 @@ class TorchCompile(OpkitCallback):
         warning = None if self.error is not None else nothing_compiled(
             self.watch, self.regions, self.compiled, self.modules is None, self._batches)
         if warning is not None:
-            warnings.warn(warning, stacklevel=2)
+            warn_once(warning, stacklevel=2)
 
     # what gets logged where
 

@@ -53,7 +53,14 @@ class OpkitCallback(Callback):
     #: the callback's area, as in its tags ``opkit/<area>/...`` and in ``OPKIT_DISABLE``
     area: ClassVar[str] = ""
 
-    def __init__(self, enabled: bool = True, log_dir: str | None = None) -> None:
+    def __init__(self, enabled: bool = True, log_dir: str | None = None, off: str | None = None) -> None:
+        """Check and keep the arguments every callback takes.
+
+        Args:
+            enabled: the callback's ``enabled`` argument.
+            log_dir: the callback's ``log_dir`` argument.
+            off: why the callback's own arguments leave it nothing to do (``"every_n_steps=0"``), else ``None``.
+        """
         if not isinstance(enabled, bool):
             raise ValueError(f"{type(self).__name__}(enabled={enabled!r}): expected True or False")
         if log_dir is not None and not (isinstance(log_dir, str) and log_dir):
@@ -65,10 +72,11 @@ class OpkitCallback(Callback):
         self._said_off = False
         if self.area and self.area not in AREAS:
             raise ValueError(f"{type(self).__name__}.area={self.area!r}: expected one of {AREAS}")
-        off = self.area in disabled_areas()
+        disabled = self.area in disabled_areas()
         #: whether the callback attaches (``enabled`` and its area not in ``OPKIT_DISABLE``)
-        self.enabled = enabled and not off
-        self._off_because = f"{ENV}={os.environ.get(ENV, '')}" if off else "enabled=False"
+        self.enabled = enabled and not disabled and off is None
+        self._off_because = (f"{ENV}={os.environ.get(ENV, '')}" if disabled else
+                             "enabled=False" if not enabled else str(off))
         if not self.enabled:
             for name in _HOOKS:
                 setattr(self, name, _nothing)

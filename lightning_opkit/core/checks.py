@@ -62,23 +62,56 @@ def check_bools(**values: Any) -> None:
             raise ValueError(f"Expected `{name}` to be a bool, but got {value!r}")
 
 
-def check_globs(name: str, value: Any) -> None:
-    """Raise unless ``value`` is ``None`` or a non-empty list of glob strings.
+def check_globs(name: str, value: Any, keywords: tuple[str, ...] = ()) -> None:
+    """Raise unless ``value`` is ``None``, one of ``keywords``, or a non-empty list of glob strings.
+
+    This is the kit's ``modules`` argument (where a callback acts), checked alike on every callback.
 
     Args:
         name: the argument's name.
         value: what was passed.
+        keywords: words allowed besides globs (``("auto",)``).
 
     Example:
-        >>> check_globs("modules", "blocks.*")
+        >>> check_globs("modules", "blocks.*", ("auto",))
         Traceback (most recent call last):
         ...
-        ValueError: Expected `modules` to be a list of glob strings or None, but got 'blocks.*'
+        ValueError: Expected `modules` to be a list of glob strings, 'auto' or None, but got 'blocks.*'
+        >>> check_globs("modules", [])
+        Traceback (most recent call last):
+        ...
+        ValueError: `modules` is an empty list, which would match no module; use None for the default
     """
-    if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
-        raise ValueError(f"Expected `{name}` to be a list of glob strings or None, but got {value!r}")
-    if value is not None and not value:
+    if value is None or (isinstance(value, str) and value in keywords):
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        words = "".join(f", {k!r}" for k in keywords)
+        raise ValueError(f"Expected `{name}` to be a list of glob strings{words} or None, but got {value!r}")
+    if not value:
         raise ValueError(f"`{name}` is an empty list, which would match no module; use None for the default")
+
+
+def check_choices(name: str, value: Any, choices: tuple[Any, ...] | list[Any]) -> None:
+    """Raise unless ``value`` is ``None`` or a list whose every item is one of ``choices``.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        choices: the valid items.
+
+    Example:
+        >>> check_choices("save", ["matmul", "gemm"], ("matmul", "conv"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `save` to list items of ['matmul', 'conv'], but got 'gemm' in ['matmul', 'gemm']
+    """
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"Expected `{name}` to be a list of items of {list(choices)} or None, but got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or item not in choices:
+            raise ValueError(f"Expected `{name}` to list items of {list(choices)}, but got {item!r} in {list(value)!r}")
 
 
 def check_fraction(name: str, value: Any, what: str = "") -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -33,6 +32,7 @@ from lightning_opkit.core.ranks import Ranks, local
 from lightning_opkit.core.replay import rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.check import Checked, check, flags
 from lightning_opkit.nan.dead import COLUMNS, DeadWatch
 from lightning_opkit.nan.device import HostCopy, as_of_step, takes_found_inf
@@ -104,7 +104,7 @@ def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detect
     if detector.action == "stop":
         trainer.should_stop = True
     else:
-        warnings.warn(format_report(report), stacklevel=3)
+        warn_once(format_report(report), key=("nan", "scaler", report.origin.module), stacklevel=3)
 
 
 def _log(detector: NaNDetector, trainer: pl.Trainer, report: NaNReport) -> None:
@@ -129,7 +129,7 @@ def _name_dead(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.Lightni
         return
     live = [d for d in new if not d.frozen]
     if live:
-        warnings.warn(f"NaNDetector: no gradient over {watch.after} checked steps in a row for " + "; ".join(
+        warn_once(f"NaNDetector: no gradient over {watch.after} checked steps in a row for " + "; ".join(
             f"{d.row()[0]} ({d.module_type} {d.module!r}: {d.what})" for d in live[:8]) + (
             f" and {len(live) - 8} more" if len(live) > 8 else "") + ": a layer frozen by mistake, a branch never"
             " taken, an expert no token is routed to, or a gate trained through topk indices", stacklevel=3)
@@ -238,7 +238,8 @@ class NaNDetector(OpkitCallback):
         check_forward: name modules whose forward output went non-finite.
         check_backward: check gradients, and name the module or parameter whose gradient went non-finite.
         check_loss: check the loss.
-        every_n_steps: check one optimizer step in this many (1 = every step).
+        every_n_steps: check one optimizer step in this many (1 = every step); 0 = off (the callback attaches
+            nothing, as with ``enabled=False``).
         modules: globs over ``pl_module.named_modules()`` names to localize among; ``None`` = every module.
         max_consecutive_skips: with ``action="skip"``, raise once this many steps in a row were skipped.
         repair: when a fault's cause is ``precision`` and the action lets the run go on (``"skip"``, ``"warn"``), pin
@@ -291,12 +292,12 @@ class NaNDetector(OpkitCallback):
         enabled: bool = True,
         log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__(enabled, log_dir)
+        super().__init__(enabled, log_dir, off="every_n_steps=0" if every_n_steps == 0 else None)
         check_choice("action", action, _ACTIONS)
         check_bools(check_forward=check_forward, check_backward=check_backward, check_loss=check_loss, repair=repair)
         if not (check_forward or check_backward or check_loss):
             raise ValueError("At least one of `check_forward`, `check_backward`, `check_loss` must be True")
-        check_int("every_n_steps", every_n_steps, 1)
+        check_int("every_n_steps", every_n_steps, 0)
         check_int("max_consecutive_skips", max_consecutive_skips, 1)
         check_globs("modules", modules)
         check_int("spike_window", spike_window, 2)
@@ -536,8 +537,10 @@ class NaNDetector(OpkitCallback):
         self.consecutive_skips += 1
         _log(self, trainer, report)
         if self.action == "warn":
-            warnings.warn(format_report(report) + (" The optimizer step was skipped on the device (decide='device')."
-                                                   if late else " The optimizer step was skipped."), stacklevel=2)
+            # a fault that repeats is said once; each is counted in TensorBoard and the summary
+            warn_once(format_report(report) + (" The optimizer step was skipped on the device (decide='device')."
+                                               if late else " The optimizer step was skipped."),
+                      key=("nan", report.origin.phase, report.origin.module), stacklevel=2)
         elif self.action == "stop":
             trainer.should_stop = True
 

@@ -60,12 +60,12 @@ def collapse_cause(collapse: str, module: str | None) -> Cause:
         module: the module whose gradients first went non-finite at that scale, if a replay named one.
 
     Example:
-        >>> collapse_cause("the scale fell", "fc").advice.endswith("run it in fp32 (PrecisionPolicy(modules="
+        >>> collapse_cause("the scale fell", "fc").advice.endswith("run it in fp32 (PrecisionPolicy(overrides="
         ...                                                      "{'fc': 'fp32'})) or train in bf16")
         True
     """
     where = f"module {module!r}" if module else "a module no replay named"
-    fix = f" (PrecisionPolicy(modules={{{module!r}: 'fp32'}}))" if module else ""
+    fix = f" (PrecisionPolicy(overrides={{{module!r}: 'fp32'}}))" if module else ""
     return Cause("precision", f"{collapse}: gradients overflow fp16 whatever the scale, which loss scaling cannot fix"
                               f" (training stalls: every step is skipped); the first non-finite gradient is in {where}:"
                               f" run it in fp32{fix} or train in bf16")

@@ -162,7 +162,7 @@ def spike_cause(case: SpikeCase, again_in: Callable[[bool], float], lowered: boo
                                   " one activation) or non-determinism; if it keeps to one rank, suspect that device")
     if lowered and agree(again_in(True)) <= case.threshold:
         return Cause("precision", f"reproduced as is, calm with the step in fp32: a 16-bit overflow or loss of"
-                                  f" precision ({where}); run it in fp32 (PrecisionPolicy(modules=...)) or train in"
+                                  f" precision ({where}); run it in fp32 (PrecisionPolicy(overrides=...)) or train in"
                                   " bf16 or fp32")
     return Cause("data_or_model", f"reproduced by a replay{' in fp32 too' if lowered else ''} ({where}): inspect batch"
                                   f" {case.batch_idx}'s data; a rare or corrupted batch, or a learning rate the model"

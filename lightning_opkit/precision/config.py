@@ -17,14 +17,14 @@ DEFAULT_RULES: dict[str, str] = {
 }
 
 
-def check_policy_args(rules: Any, default: Any, modules: Any, tolerance: Any, counts: dict[str, Any],
+def check_policy_args(rules: Any, default: Any, overrides: Any, tolerance: Any, counts: dict[str, Any],
                       flags: dict[str, Any]) -> None:
     """Raise for the first bad ``PrecisionPolicy`` argument.
 
     Args:
         rules: ``"auto"``, op class -> dtype name, or ``None``.
         default: a dtype name.
-        modules: module glob -> dtype name, or ``None``.
+        overrides: module glob -> dtype name, or ``None``.
         tolerance: a number in ``[0, 1)``.
         counts: the int arguments (at least 0), by name.
         flags: the bool arguments, by name.
@@ -42,12 +42,12 @@ def check_policy_args(rules: Any, default: Any, modules: Any, tolerance: Any, co
         raise ValueError(f"Expected `rules` to be 'auto', a dict of op class -> dtype (for example"
                          f" {{'matmul': 'bf16'}}) or None, but got {rules!r}")
     _check_rules(rules if isinstance(rules, dict) else {})
-    if modules is not None and not isinstance(modules, dict):
-        raise ValueError(f"Expected `modules` to be a dict of module glob -> dtype (for example"
-                         f" {{'model.head': 'fp32'}}) or None, but got {modules!r}")
-    for key, value in (modules or {}).items():
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"Expected `overrides` to be a dict of module glob -> dtype (for example"
+                         f" {{'model.head': 'fp32'}}) or None, but got {overrides!r}")
+    for key, value in (overrides or {}).items():
         if not isinstance(key, str) or not isinstance(value, str) or value not in DTYPES:
-            raise ValueError(f"`modules[{key!r}]` is {value!r}; expected one of {valid}")
+            raise ValueError(f"`overrides[{key!r}]` is {value!r}; expected one of {valid}")
     for name, value in counts.items():
         check_int(name, value, 0)
     check_bools(**flags)

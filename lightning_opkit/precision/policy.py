@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
+from lightning_opkit.core.deprecations import renamed
 from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.select import match_rule, resolve_modules
@@ -40,6 +41,7 @@ from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, Dtype
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
+from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
 from lightning_opkit.precision.report import ASIDE, policy_markdown, summary_lines, write_census
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
@@ -72,16 +74,19 @@ class PrecisionPolicy(OpkitCallback):
             :data:`DEFAULT_RULES` (matmul, conv, attention, activation in bf16; norm, softmax, loss, reduction in
             fp32). ``None`` = the built-in table.
         default: dtype for classes that neither ``rules`` nor the built-in table names (not used by ``"auto"``).
-        modules: module-path glob -> dtype for every op inside that module; wins over ``rules``; the innermost
-            (then most specific) matching module decides.
+        overrides: module-path glob -> dtype for every op inside that module; wins over ``rules``; the innermost
+            (then most specific) matching module decides. (Named ``modules`` before; that name warns, for one
+            release: ``modules`` elsewhere in the kit selects where a callback acts.)
         census_every_n_steps: every this many training steps, record calls, dtypes, error against fp32 recomputes,
             underflow and fp16 headroom per class and log them to TensorBoard; 0 = off.
         tolerance: with ``rules="auto"``, the largest relative loss change and the largest ``1 - cosine`` of the
             gradients that lowering one class may cause.
-        measure_every_n_steps: with ``rules="auto"``, measure and decide again every this many steps; 0 = once, at the
-            first training batch of each fit.
-        check_speed: with explicit rules, time each class set to a 16-bit dtype at the ops and shapes the first
+        remeasure_every_n_steps: with ``rules="auto"``, measure and decide again every this many steps; 0 = off (the
+            decision made at the first training batch of each fit holds). (Was ``measure_every_n_steps``.)
+        measure: measure before deciding. With ``rules="auto"`` the policy always measures (that is what it decides
+            from); with explicit rules, time each class set to a 16-bit dtype at the ops and shapes the first
             training step ran (after it, without running the model again) and warn once if it is slower than fp32.
+            (Was ``check_speed``.)
         whole_step: with ``rules="auto"``, confirm the choice on the whole step: run a few candidate tables (all-fp32,
             GEMMs in 16-bit with the rest ``keep``, the per-class pick, the pick with ``keep``) on the first rows of
             the batch, and train with the fastest within ``tolerance`` as a whole (loss change, gradient cosine);
@@ -94,9 +99,13 @@ class PrecisionPolicy(OpkitCallback):
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
             then: ``logger=False`` writes no file).
+        modules: the old name of ``overrides``: it works for this release and warns
+            (:class:`~lightning_opkit.core.deprecations.OpkitDeprecationWarning`).
+        measure_every_n_steps: the old name of ``remeasure_every_n_steps``, likewise.
+        check_speed: the old name of ``measure``, likewise.
 
     Example:
-        >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, modules={"head": "fp32"})
+        >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, overrides={"head": "fp32"})
         >>> policy.table["activation"], policy.table["matmul"]  # merged over the built-in table
         ('fp32', 'bf16')
         >>> auto = PrecisionPolicy(rules="auto", tolerance=0.02)
@@ -108,29 +117,38 @@ class PrecisionPolicy(OpkitCallback):
         self,
         rules: Union[Literal["auto"], dict[OpClassName, DtypeName], None] = None,
         default: DtypeName = "keep",
-        modules: Optional[dict[str, DtypeName]] = None,
+        overrides: Optional[dict[str, DtypeName]] = None,
         census_every_n_steps: int = 100,
         tolerance: float = DEFAULT_TOLERANCE,
-        measure_every_n_steps: int = 0,
-        check_speed: bool = True,
+        remeasure_every_n_steps: int = 0,
+        measure: bool = True,
         whole_step: bool = True,
         trial_rounds: int = 2,
         enabled: bool = True,
         log_dir: Optional[str] = None,
+        modules: Optional[dict[str, DtypeName]] = None,
+        measure_every_n_steps: Optional[int] = None,
+        check_speed: Optional[bool] = None,
     ) -> None:
         super().__init__(enabled, log_dir)
-        check_policy_args(rules, default, modules, tolerance,
+        name = type(self).__name__
+        overrides = renamed(name, "modules", modules, "overrides", overrides, None)
+        remeasure_every_n_steps = renamed(name, "measure_every_n_steps", measure_every_n_steps,
+                                          "remeasure_every_n_steps", remeasure_every_n_steps, 0)
+        measure = renamed(name, "check_speed", check_speed, "measure", measure, True)
+        check_policy_args(rules, default, overrides, tolerance,
                           counts=dict(census_every_n_steps=census_every_n_steps,
-                                      measure_every_n_steps=measure_every_n_steps, trial_rounds=trial_rounds),
-                          flags=dict(check_speed=check_speed, whole_step=whole_step))
+                                      remeasure_every_n_steps=remeasure_every_n_steps, trial_rounds=trial_rounds),
+                          flags=dict(measure=measure, whole_step=whole_step))
         self.rules: str | dict[str, str] | None = "auto" if rules == "auto" else (
             dict(rules) if rules is not None else None)  # type: ignore[arg-type]
         self.default = default
-        self.modules: dict[str, str] = dict(modules or {})
+        #: module glob -> dtype, over ``rules``
+        self.overrides: dict[str, str] = dict(overrides or {})
         self.census_every_n_steps = census_every_n_steps
         self.tolerance = float(tolerance)
-        self.measure_every_n_steps = measure_every_n_steps
-        self.check_speed = check_speed
+        self.remeasure_every_n_steps = remeasure_every_n_steps
+        self.measure = measure
         self.whole_step = whole_step
         self.trial_rounds = trial_rounds
         self.table: dict[str, str] = initial_table(self.rules, default)
@@ -148,6 +166,9 @@ class PrecisionPolicy(OpkitCallback):
         self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
         self._measured_at: int | None = None
+        #: under ``rules="auto"``: the plan in force (checkpointed), and one a checkpoint brought (run, not measured)
+        self._plan: Plan | None = None
+        self._restored: Plan | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
 
     @property
@@ -173,7 +194,8 @@ class PrecisionPolicy(OpkitCallback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(rules=self.rules, modules=self.modules)
+        # the key keeps its old field name: checkpoints written before `overrides` was named so still load
+        return self._generate_state_key(rules=self.rules, modules=self.overrides)
 
     def dtype_for(self, op_class: str, module: str | None = None) -> str:
         """The dtype name an op of ``op_class`` runs in, inside the module at path ``module`` (if any).
@@ -184,7 +206,7 @@ class PrecisionPolicy(OpkitCallback):
         """
         if op_class in NEVER_CAST:
             return "keep"
-        override_ = match_rule(module, self.modules) if module is not None else None
+        override_ = match_rule(module, self.overrides) if module is not None else None
         return override_ if override_ is not None else self.table[op_class]
 
     def running_in(self, module: torch.nn.Module | None, dtype: DtypeName) -> Any:
@@ -227,28 +249,30 @@ class PrecisionPolicy(OpkitCallback):
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
-        overrides = {**self.modules, **{f"{k} (pinned by a NaN repair)": v for k, v in self.pinned.items()}}
-        return summary_lines(self.table, self.decisions, overrides, self._governor.autocast, self._passthrough,
-                             self._auto if self.auto else None)
+        overrides = {**self.overrides, **{f"{k} (pinned by a NaN repair)": v for k, v in self.pinned.items()}}
+        lines = summary_lines(self.table, self.decisions, overrides, self._governor.autocast, self._passthrough,
+                              self._auto if self.auto else None)
+        again = self.decision_as_arguments()
+        return lines + ([f"  to run this decision again without measuring: {again}"] if again else [])
 
     # lifecycle
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
-        matched = resolve_modules(pl_module, self.modules, owner="PrecisionPolicy") if self.modules else []
+        matched = resolve_modules(pl_module, self.overrides, owner="PrecisionPolicy") if self.overrides else []
         if stage == "fit":
             # the default rules' 16-bit classes in the dtype the Trainer autocasts to, so the two never mix
             self.table = initial_table(self.rules, self.default, AUTOCAST_DTYPE.get(str(trainer.precision), "bf16"))
             self._governor.set_table(self.table)
-            overrides = {n: match_rule(n, self.modules) for n, _ in matched}
+            overrides = {n: match_rule(n, self.overrides) for n, _ in matched}
             check_one_low_dtype(self.table, overrides, trainer.precision)  # type: ignore[arg-type]
             check_fp16(self.table, [n for n, d in overrides.items() if d == "fp16"],
                        getattr(trainer.precision_plugin, "scaler", None) is not None, trainer.precision)
         keep_out_of_dynamo_frames()
         hold_rnn_input_casts(self._patches, pl_module)
         for name, module in matched:
-            self._governor.hold_override(self._patches, module, DTYPES[match_rule(name, self.modules)])  # type: ignore[index]
+            self._governor.hold_override(self._patches, module, DTYPES[match_rule(name, self.overrides)])  # type: ignore[index]
         for method in _STEP_METHODS:
             # Lightning runs a validation/test loop only if the user overrode its step: a wrapper must not look like
             # an override of a method the user never wrote (predict_step's default does run, so it is governed).
@@ -283,6 +307,7 @@ class PrecisionPolicy(OpkitCallback):
     def _apply(self, pl_module: pl.LightningModule, plan: Plan) -> None:
         """Run ``plan`` from now on: its classes' dtypes, or plain autocast."""
         governor = self._governor
+        self._plan = plan
         governor.autocast, governor.autocast_device = plan.autocast, pl_module.device.type
         self.decisions = {c: Decision(c, d, why) for c, (d, why) in plan.classes.items()}
         table = dict(self.table)
@@ -293,7 +318,7 @@ class PrecisionPolicy(OpkitCallback):
         governor.set_table(table)
         # Nothing worth lowering on an fp32 model without autocast: the model runs as written, without the mode's
         # per-op cost (~2% of a step on the example) and without a census. NaN cause replays still enter it.
-        governor.passthrough = not self.modules and (plan.autocast is not None or (
+        governor.passthrough = not self.overrides and (plan.autocast is not None or (
             all(table[c] == "fp32" for c in GOVERNED)
             and all(t.dtype == torch.float32 for t in (*pl_module.parameters(), *pl_module.buffers())
                     if t.is_floating_point())))
@@ -318,6 +343,24 @@ class PrecisionPolicy(OpkitCallback):
                     row.op_class, row.dtype, row.speed, "this model's ops at the shapes of its first training step,"
                     " forward + backward, input casts included", source)
 
+    # the decision kept across a resume
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if not self.auto or self._plan is None or self._auto.trialing:
+            return {}
+        return {"plan": plan_state(self._plan)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = plan_from_state(state_dict["plan"]) if "plan" in state_dict else None
+
+    def decision_as_arguments(self) -> str | None:
+        """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""
+        if not self.auto or self._plan is None:
+            return None
+        return pinned_arguments(self.table, self._plan.autocast)
+
     # batches: measure, trial, census
 
     @override
@@ -331,11 +374,16 @@ class PrecisionPolicy(OpkitCallback):
                 self._apply(pl_module, plan)
         if self._measured_at == step:
             return  # gradient accumulation: one measurement per optimizer step
-        every = self.measure_every_n_steps
+        if self.auto and self._measured_at is None and self._restored is not None:
+            self._measured_at, plan, self._restored = step, self._restored, None
+            self._apply(pl_module, plan)  # a resumed fit runs the checkpoint's decision: nothing measured again
+            self._log_table(step)
+            return
+        every = self.remeasure_every_n_steps
         if self.auto and (self._measured_at is None or (every and step % every == 0)):
             self._measured_at = step
             self._measure_and_decide(trainer, pl_module, batch, batch_idx)
-        elif not self.auto and self.check_speed and self._measured_at is None:
+        elif not self.auto and self.measure and self._measured_at is None:
             self._measured_at = step
             if lowered(self.table):
                 self._governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
@@ -380,7 +428,7 @@ class PrecisionPolicy(OpkitCallback):
 
     def _log_table(self, step: int) -> None:
         if self._writer is not None:
-            self._writer.text("opkit/precision/policy", policy_markdown(self.table, self.decisions, self.modules,
+            self._writer.text("opkit/precision/policy", policy_markdown(self.table, self.decisions, self.overrides,
                                                                         waiting=self.auto and not self.decisions),
                               step)
 
@@ -389,7 +437,8 @@ class PrecisionPolicy(OpkitCallback):
             return
         self._writer.text("opkit/precision/sensitivity", self._auto.sensitivity_markdown(
             {c: d.dtype for c, d in self.decisions.items()}), step)
+        again = f"\n\nTo run it again without measuring: `{self.decision_as_arguments()}`"
         self._writer.text("opkit/precision/decision", self._auto.decision_markdown(
-            self.decisions, ASIDE if self._passthrough else ""), step)
+            self.decisions, ASIDE if self._passthrough else "") + again, step)
         self._log_table(step)
         self._writer.flush()

@@ -25,9 +25,11 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_int
+from lightning_opkit.core.deprecations import OpkitDeprecationWarning
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.logging import traces_dir
 from lightning_opkit.core.select import find_blocks
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.profiler.log import log_window, traces_line
 from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
 from lightning_opkit.profiler.memory_log import log_memory, memory_summary, out_of_memory_lines
@@ -42,12 +44,22 @@ from lightning_opkit.profiler.session import Window, opens_window, settler, wind
 __all__ = ["ProfilerWindows", "window_phase"]
 
 
-def _check_schedule(every_n_steps: int, warmup: int, active: int) -> None:
-    if warmup + active > every_n_steps:
+def _check_counts(every_n_steps: int, warmup: int, active: int, top_k: int, keep_traces: int | None) -> int | None:
+    """Raise for the first bad count; ``keep_traces`` as it is to be kept (its old ``0`` = keep all, warned)."""
+    for name, value, low in (("every_n_steps", every_n_steps, 0), ("warmup", warmup, 0), ("active", active, 1),
+                             ("top_k", top_k, 1)):
+        check_int(name, value, low)
+    if keep_traces == 0 and not isinstance(keep_traces, bool):
+        keep_traces = None
+        warnings.warn("ProfilerWindows(keep_traces=0) is deprecated and will mean off in the next release: use"
+                      " keep_traces=None to keep every trace", OpkitDeprecationWarning, stacklevel=3)
+    check_int("keep_traces", keep_traces, 1, optional=True)
+    if every_n_steps and warmup + active > every_n_steps:
         raise ValueError(
             f"A window of `warmup` + `active` = {warmup} + {active} steps does not fit in `every_n_steps`="
             f"{every_n_steps}: windows would overlap. Use warmup + active <= every_n_steps."
         )
+    return keep_traces
 
 
 class ProfilerWindows(OpkitCallback):
@@ -61,7 +73,8 @@ class ProfilerWindows(OpkitCallback):
     an epoch end, ``max_steps`` or an exception is closed and reported if it recorded a step, else dropped.
 
     Args:
-        every_n_steps: training batches between window starts; the first window opens at this batch.
+        every_n_steps: training batches between window starts; the first window opens at this batch; 0 = off (the
+            callback attaches nothing, as with ``enabled=False``).
         warmup: steps per window run under the profiler but not recorded.
         active: recorded steps per window.
         record_shapes: passed to ``torch.profiler.profile``.
@@ -71,7 +84,8 @@ class ProfilerWindows(OpkitCallback):
         export_trace: write the window's trace file.
         top_k: rows in the top-ops table.
         gzip: write ``.json.gz`` traces (Perfetto and chrome://tracing open them).
-        keep_traces: keep only this many newest trace files of this run (0 = keep all).
+        keep_traces: keep only this many newest trace files of this run; ``None`` = keep all. (``0`` meant keep all
+            before; it still does, for this release, with a warning: ``0`` means off across the kit.)
         all_ranks: under DDP, profile every rank into its own trace files (default: rank zero only).
         span_validation: let a window stay open across a validation loop (default: validation closes it).
         roofline: per window, each op class's achieved TFLOP/s and GB/s against this device's peaks (measured once
@@ -110,7 +124,7 @@ class ProfilerWindows(OpkitCallback):
         export_trace: bool = True,
         top_k: int = 15,
         gzip: bool = True,
-        keep_traces: int = 0,
+        keep_traces: Optional[int] = None,
         all_ranks: bool = False,
         span_validation: bool = False,
         roofline: bool = False,
@@ -119,17 +133,14 @@ class ProfilerWindows(OpkitCallback):
         enabled: bool = True,
         log_dir: Optional[str] = None,
     ) -> None:
-        super().__init__(enabled, log_dir)
-        for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup", warmup, 0), ("active", active, 1),
-                                 ("top_k", top_k, 1), ("keep_traces", keep_traces, 0)):
-            check_int(name, value, low)
+        super().__init__(enabled, log_dir, off="every_n_steps=0" if every_n_steps == 0 else None)
+        keep_traces = _check_counts(every_n_steps, warmup, active, top_k, keep_traces)
         check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
                     with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
                     span_validation=span_validation, roofline=roofline, memory=memory, memory_snapshot=memory_snapshot)
         # the roofline reads each op's shapes, dtypes and the profiler's GEMM FLOPs
         self._profile_options = dict(record_shapes=record_shapes or roofline, profile_memory=profile_memory or memory,
                                      with_stack=with_stack, with_flops=with_flops or roofline)
-        _check_schedule(every_n_steps, warmup, active)
         self.every_n_steps = every_n_steps
         self.warmup = warmup
         self.active = active
@@ -205,7 +216,7 @@ class ProfilerWindows(OpkitCallback):
         if stage == "fit":
             self._out_of_memory, self.snapshot_file = False, None
         if self.memory_snapshot and stage == "fit" and not self._snapshot.start(trainer.strategy.root_device):
-            warnings.warn(f"ProfilerWindows(memory_snapshot=True) records CUDA allocations; this run is on"
+            warn_once(f"ProfilerWindows(memory_snapshot=True) records CUDA allocations; this run is on"
                           f" {trainer.strategy.root_device}: no snapshot.", stacklevel=2)
         if self.roofline and stage == "fit":
             self._roofline_off = False
@@ -345,8 +356,9 @@ class ProfilerWindows(OpkitCallback):
                 export_s = self._export(trainer, window, step)
             except Exception as err:  # a trace is not worth the run: unwritable dir, full disk, ...
                 self.export_errors += 1
-                warnings.warn(f"ProfilerWindows: could not write the trace of the window at step {step} to"
-                              f" {self._trace_dir!r} ({type(err).__name__}: {err}); training goes on.", stacklevel=2)
+                warn_once(f"ProfilerWindows: could not write the trace of the window at step {step} to"
+                          f" {self._trace_dir!r} ({type(err).__name__}: {err}); training goes on.",
+                          key=("profiler", "trace export failed"), stacklevel=2)
                 self._scalars("opkit/profiler", {"export_errors": self.export_errors}, step)
         if self._writer is not None and self._writer.active:
             log_window(self._writer, report, step, window_no=self.windows_done, partial=partial, export_s=export_s,
@@ -366,7 +378,7 @@ class ProfilerWindows(OpkitCallback):
         except Exception as err:  # measuring the peaks can run out of memory beside the model: not worth the run
             self._roofline_off = True
             self.last_roofline = None
-            warnings.warn(f"ProfilerWindows: the roofline failed ({type(err).__name__}: {err}); it is off for the"
+            warn_once(f"ProfilerWindows: the roofline failed ({type(err).__name__}: {err}); it is off for the"
                           " rest of this run, the windows go on.", stacklevel=2)
 
     def _export(self, trainer: pl.Trainer, window: Window, step: int) -> float:
