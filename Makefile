@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.opkit-installed
 LOGDIR ?= lightning_logs
 
-.PHONY: install test test-torch lint typecheck demo bench docs docs-tags screenshots clean
+.PHONY: install test test-torch lint typecheck demo bench docs docs-tags docs-args screenshots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,3 +67,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(LOGDIR) .pytest_cache .ruff_cache .mypy_cache docs/_build
+
+# each callback page's Arguments table, from the callback's signature and docstring (a test fails while one is stale)
+docs-args: $(STAMP)
+	$(PY) -m lightning_opkit.arguments docs/callbacks
