@@ -7,9 +7,13 @@ Factors:
 - **optimization**: ``automatic`` or ``manual`` (``automatic_optimization = False``, the step trains itself);
 - **precision**: ``32-true``, ``bf16-mixed``, ``16-mixed`` (a GradScaler) and ``bf16-true``;
 - **compile**: ``none``, ``regional`` (the zoo model's repeated blocks) or ``whole`` (the LightningModule's forward):
-  ``none`` exactly when the set has no ``C``.
+  ``none`` exactly when the set has no ``C``;
+- **logging**: ``none`` (``logger=False``: no file may be written) or ``tensorboard`` (a TensorBoardLogger: the
+  opkit tags are there);
+- **switch**: ``on``, or ``off``: the set's last callback is turned off (``enabled=False`` under automatic
+  optimization, ``OPKIT_DISABLE=<its area>`` under manual), and the run must be that of the set without it.
 
-The full product is 176 valid cases. :func:`pairwise` keeps the fewest it can such that every pair of values of two
+The full product is 704 valid cases. :func:`pairwise` keeps the fewest it can such that every pair of values of two
 factors that occurs in some valid case occurs in a kept one (a greedy covering: each step keeps the case that covers
 the most pairs not yet covered, then the one whose values were kept least so far, then the first in the product's
 order), which is 64 cases: each callback set with each precision once, automatic and manual half each. Each case
@@ -27,6 +31,8 @@ SETS = [*LETTERS, *("".join(p) for p in itertools.combinations(LETTERS, 2)), LET
 OPTIMIZATION = ("automatic", "manual")
 PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 COMPILE = ("none", "regional", "whole")
+LOGGING = ("none", "tensorboard")
+SWITCH = ("on", "off")
 #: the zoo models the cases take in turn: attention, convolution with BatchNorm, and two Hugging Face transformers
 MODELS = ("torch_mha", "bn_cnn", "hf_gpt2", "torch_encoder", "hf_llama")
 
@@ -39,14 +45,27 @@ class Case:
     optimization: str
     precision: str
     compile: str
+    logging: str = "none"
+    switch: str = "on"
     model: str = ""
 
     @property
     def id(self) -> str:
-        return f"{self.callbacks}-{self.optimization}-{self.precision}-{self.compile}-{self.model}"
+        off = f"-off{self.off}" if self.off else ""
+        return f"{self.callbacks}{off}-{self.optimization}-{self.precision}-{self.compile}-{self.logging}-{self.model}"
 
-    def factors(self) -> tuple[str, str, str, str]:
-        return self.callbacks, self.optimization, self.precision, self.compile
+    @property
+    def off(self) -> str:
+        """The letter of the callback that is turned off, if any."""
+        return self.callbacks[-1] if self.switch == "off" else ""
+
+    @property
+    def active(self) -> str:
+        """The letters of the callbacks that act."""
+        return self.callbacks.replace(self.off, "") if self.off else self.callbacks
+
+    def factors(self) -> tuple[str, str, str, str, str, str]:
+        return self.callbacks, self.optimization, self.precision, self.compile, self.logging, self.switch
 
 
 def valid(callbacks: str, compile_: str) -> bool:
@@ -56,8 +75,8 @@ def valid(callbacks: str, compile_: str) -> bool:
 
 def product() -> list[Case]:
     """Every valid case, in the factors' order."""
-    return [Case(s, o, p, c) for s, o, p, c in itertools.product(SETS, OPTIMIZATION, PRECISION, COMPILE)
-            if valid(s, c)]
+    return [Case(*f) for f in itertools.product(SETS, OPTIMIZATION, PRECISION, COMPILE, LOGGING, SWITCH)
+            if valid(f[0], f[3])]
 
 
 def _pairs(case: Case) -> set[tuple[int, str, int, str]]:

@@ -12,7 +12,10 @@ a NaNDetector (``action="skip"``), and a checkpoint saved at step 4. It checks i
   every callback in the set is numerics-neutral (ActivationCheckpointing, TorchCompile's ``eager`` backend,
   NaNDetector, ProfilerWindows), else a run with the set's PrecisionPolicy alone; bit for bit, except where
   :data:`TOLERANCE` says why not (a compiled policy, Inductor);
-- resuming from the step-4 checkpoint, with fresh callbacks, ends on the same weights as the uninterrupted run.
+- resuming from the step-4 checkpoint, with fresh callbacks, ends on the same weights as the uninterrupted run;
+- with ``logger=False`` no file is written under the run's directory (traces included); with a TensorBoardLogger the
+  run summary is there, and nothing of a callback that is off;
+- a callback turned off changes nothing: the expectations are those of the set without it.
 
 A few cases run TorchCompile's Inductor backend (marked slow).
 """
@@ -25,7 +28,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import CASES, Case
-from helpers import REFUSED, SaveAt, policy_refused_under, snapshot
+from helpers import REFUSED, SaveAt, policy_refused_under, read_events, snapshot
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 from zoo import CASES as ZOO
@@ -69,22 +73,31 @@ class Losses(pl.Callback):
         self.by_batch[batch_idx] = float(loss)
 
 
+#: each letter's area, as in its tags and in OPKIT_DISABLE
+AREA = {"P": "precision", "N": "nan", "W": "profiler", "C": "compile", "A": "checkpointing"}
+
+
 def _callbacks(case: Case, letters: str, backend: str = "eager") -> list[pl.Callback]:
     blocks = ["model." + ZOO[case.model].blocks]
     made: list[pl.Callback] = []
     for letter in letters:
+        # the callback turned off: enabled=False under automatic optimization (OPKIT_DISABLE, set by the test, under
+        # manual)
+        kw = dict(enabled=False) if letter == case.off and case.optimization == "automatic" else {}
         if letter == "P":
-            made.append(PrecisionPolicy(census_every_n_steps=3))  # the default table
+            made.append(PrecisionPolicy(census_every_n_steps=3, **kw))  # the default table
         elif letter == "N":
-            made.append(NaNDetector(action="skip"))
+            made.append(NaNDetector(action="skip", **kw))
         elif letter == "W":
+            # traces exported without a logger would break the no-file rule: exported where a logger takes them
             made.append(ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory=True,
-                                        roofline=letters == "PNWCA", export_trace=False))
+                                        roofline=letters == "PNWCA", export_trace=case.logging == "none", **kw))
         elif letter == "C":
             made.append(TorchCompile(backend=backend, modules=blocks if case.compile == "regional" else None,
-                                     fallback=False))
+                                     fallback=False, **kw))
         elif letter == "A":
-            made.append(ActivationCheckpointing(modules=blocks, measure_steps=1))
+            made.append(ActivationCheckpointing(modules=blocks, measure_steps=1, **kw))
+    assert [c.enabled for c in made] == [letter != case.off for letter in letters]
     return made
 
 
@@ -94,13 +107,13 @@ def _precision(case: Case) -> dict:
     return dict(precision=case.precision)
 
 
-def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ckpt=None):
+def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ckpt=None, logger=False):
     torch.manual_seed(0)
     model = (ManualZoo if case.optimization == "manual" else ZooModule)(case.model, faults=faults)
     before = snapshot(model)
     losses = Losses()
     extra = [SaveAt(SAVE, save)] if save is not None else []
-    trainer = pl.Trainer(default_root_dir=str(root), max_steps=steps, accelerator="cpu", devices=1, logger=False,
+    trainer = pl.Trainer(default_root_dir=str(root), max_steps=steps, accelerator="cpu", devices=1, logger=logger,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[*callbacks, losses, *extra],
                          **_precision(case))
@@ -142,12 +155,28 @@ def _same_losses(ours: list[float], theirs: list[float], how: str) -> None:
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), **{**TOLERANCE[how], "atol": 0})
 
 
+def _check_files(root, case: Case) -> None:
+    """No file without a logger; with TensorBoard, the summary, and nothing of the callback that is off."""
+    if case.logging == "none":
+        assert [p for p in root.rglob("*") if p.is_file()] == [], "logger=False, yet files were written"
+        return
+    scalars, texts = read_events(str(root))
+    tags = [*scalars, *texts]
+    assert ("opkit/summary" in texts) == bool(case.active), tags
+    if case.off:
+        areas = ("profiler", "memory") if case.off == "W" else (AREA[case.off],)
+        assert not [t for t in tags if t.startswith(tuple(f"opkit/{a}/" for a in areas))], tags
+
+
 def _check(tmp_path, case: Case, backend: str = "eager") -> None:
     batches = list(ZooModule(case.model).loader(n=64))[:STEPS]
-    detecting = "N" in case.callbacks
+    detecting = "N" in case.active
     faults = {"forward": FAULT} if detecting else None
     callbacks = _callbacks(case, case.callbacks, backend)
-    model, trainer, losses = _fit(tmp_path / "run", case, callbacks, batches, STEPS, faults, save=tmp_path / "mid.ckpt")
+    logger = TensorBoardLogger(str(tmp_path / "run")) if case.logging == "tensorboard" else False
+    model, trainer, losses = _fit(tmp_path / "run", case, callbacks, batches, STEPS, faults, save=tmp_path / "mid.ckpt",
+                                  logger=logger)
+    _check_files(tmp_path / "run", case)
 
     # it finished, and trained on every batch it should have
     assert trainer.global_step == STEPS
@@ -163,9 +192,9 @@ def _check(tmp_path, case: Case, backend: str = "eager") -> None:
 
     # the same weights as a run that never saw the poisoned batch, with only what changes numerics attached
     kept = [b for i, b in enumerate(batches) if not (detecting and i == FAULT)]
-    numerics = "P" if "P" in case.callbacks else ""
+    numerics = "P" if "P" in case.active else ""
     reference, _, reference_losses = _fit(tmp_path / "reference", case, _callbacks(case, numerics), kept, len(kept))
-    how = "inductor" if backend == "inductor" else "compiled policy" if {"P", "C"} <= set(case.callbacks) else "exact"
+    how = "inductor" if backend == "inductor" else "compiled policy" if {"P", "C"} <= set(case.active) else "exact"
     _same(model, reference, how, batches[0])
     ours = [v for b, v in sorted(losses.items()) if not (detecting and b == FAULT)]
     _same_losses(ours, [v for _, v in sorted(reference_losses.items())], how)
@@ -177,8 +206,14 @@ def _check(tmp_path, case: Case, backend: str = "eager") -> None:
     _same(resumed, model, "inductor" if backend == "inductor" else "exact", batches[0])
 
 
+def _switch(monkeypatch, case: Case) -> None:
+    if case.off and case.optimization == "manual":
+        monkeypatch.setenv("OPKIT_DISABLE", AREA[case.off])
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_combination(tmp_path, case):
+def test_combination(tmp_path, monkeypatch, case):
+    _switch(monkeypatch, case)
     _check(tmp_path, case)
 
 
@@ -187,8 +222,9 @@ SLOW = [c for c in CASES if c.callbacks == "PNWCA"][:2] + [c for c in CASES if c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW, ids=[c.id for c in SLOW])
-def test_combination_under_inductor(tmp_path, case):
-    if "P" in case.callbacks and policy_refused_under("inductor"):
+def test_combination_under_inductor(tmp_path, monkeypatch, case):
+    _switch(monkeypatch, case)
+    if {"P", "C"} <= set(case.active) and policy_refused_under("inductor"):
         with pytest.raises(ValueError, match=REFUSED):
             _check(tmp_path, case, backend="inductor")
         return
