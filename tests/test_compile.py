@@ -88,6 +88,8 @@ def test_regional_compiles_each_block_and_reports(tmp_path):
     assert cb.compiled == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]  # not blocks.0.norm etc.
     assert cb.watch.frames >= 1
     assert cb.watch.compiles == 1
+    idle = TorchCompile(modules=["blocks.*"], backend="eager")  # never set up, after a compile in this process
+    assert (idle.watch.frames, idle.watch.frames_attempted, idle.watch.graph_breaks()) == (0, 0, {})
     scalars, texts = read_events(str(tmp_path))
     assert scalars["opkit/compile/compiles"][-1][1] == 1
     assert scalars["opkit/compile/compile_time_s"][-1][1] > 0

@@ -48,11 +48,12 @@ class DynamoWatch:
         #: the compiled region being called (set by TorchCompile around each call): its compiles are charged to it
         self.region: Any = None
         self._at_start: tuple[int, int] = (0, 0)
-        self._base_breaks: Counter[str] = Counter()
-        self._base_break_total = 0
-        self._base_graphs = 0
-        self._base_frames = 0
-        self._base_attempted = 0
+        self._base_breaks: Counter[str] = Counter(counters["graph_break"])
+        self._base_break_total = sum(self._base_breaks.values())
+        self._base_graphs = counters["stats"]["unique_graphs"]
+        # before open() nothing was watched: a TorchCompile that never set up reports 0, not dynamo's process totals
+        self._base_frames = counters["frames"]["ok"]
+        self._base_attempted = counters["frames"]["total"]
         self._handler: _Collect | None = None
         self._logger_state: tuple[int, bool] | None = None
         self._enabled_artifact = False
