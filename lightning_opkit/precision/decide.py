@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lightning_opkit.core.checks import check_fraction
+from lightning_opkit.core.facts import FASTER
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.results import Measurement, speed_phrase
 
@@ -13,8 +14,8 @@ __all__ = ["DEFAULT_TOLERANCE", "MIN_SPEEDUP", "TIE", "Decision", "decide"]
 
 #: the largest relative loss change, and the largest ``1 - cosine`` of the gradients, a lowered class may cause
 DEFAULT_TOLERANCE = 0.01
-#: a 16-bit dtype must be at least this much faster than fp32 (timings on a busy machine vary by a few percent)
-MIN_SPEEDUP = 1.05
+#: a 16-bit dtype must be at least this much faster than fp32: the kit's one bar (core/facts.FASTER)
+MIN_SPEEDUP = FASTER
 #: timings within this fraction of the fastest are a tie (run-to-run noise): the candidate closest to fp32 (or the one
 #: chosen on the measured rows) wins it
 TIE = 0.02

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lightning_opkit.core.facts import FASTER
 from lightning_opkit.opclass import GEMM_CLASSES
 from lightning_opkit.profiler.roofline.work import ClassRoofline
 
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = ["block_glob", "layout_lever", "lever", "precision_lever"]
 
-#: a lower precision counts as a lever only when measured this much faster than fp32 (the precision policy's own bar)
-_FASTER = 1.05
 
 
 def block_glob(blocks: list[str]) -> str | None:
@@ -61,7 +60,7 @@ def precision_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, s
         return False, f"kept in fp32 by the precision policy ({evidence}): no precision lever"
     if speed is None:
         return None
-    if speed.ratio * _FASTER <= 1:
+    if speed.ratio * FASTER <= 1:
         return True, f"{speed.phrase()}: PrecisionPolicy(rules={{'{cls}': '{speed.dtype}'}}) or rules='auto'"
     return False, f"{speed.phrase()}: no precision lever here"
 
@@ -125,11 +124,11 @@ def layout_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, str]
     if fact is None:
         return None
     if fact.current == "channels_last":
-        if fact.ratio > _FASTER:
+        if fact.ratio > FASTER:
             return True, (f"runs channels_last, but {fact.phrase()}:"
                           " model.to(memory_format=torch.contiguous_format) before fit")
         return False, f"runs channels_last ({fact.phrase()})"
-    if fact.ratio * _FASTER <= 1:
+    if fact.ratio * FASTER <= 1:
         return True, f"{fact.phrase()}: model.to(memory_format=torch.channels_last) before fit"
     return False, f"{fact.phrase()}: no layout lever here"
 
