@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo import build
 
 from lightning_opkit import ProfilerWindows
-from lightning_opkit.core.facts import LayoutFact, RunFacts, SpeedFact, facts_of
+from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
 from lightning_opkit.profiler.roofline.layout_speed import _step
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.report import RooflineReport
@@ -396,7 +396,8 @@ def test_no_fusion_lever_where_torch_compile_compiled_and_eager_regions_named():
 def _conv_lever(ratio, current):
     rows, peaks = _compute_bound_matmul()
     rows = {"conv": ClassRoofline("conv", {"fp32": 1e12}, bytes=1e9, seconds=2.0, calls=10)}
-    fact = LayoutFact("conv", ratio, current, "this model's 2 costliest conv shapes", "measured by the roofline")
+    fact = SpeedFact("conv", "channels_last", ratio, "this model's 2 costliest conv shapes", "measured by the roofline",
+                     baseline="contiguous", current=current, passes="forward and backward")
     report = RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts(layouts={"conv": fact}))
     return fact, report.lever(rows["conv"])
 

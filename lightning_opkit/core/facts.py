@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_opkit.core.text import times_phrase
 
-__all__ = ["FASTER", "LayoutFact", "RunFacts", "SpeedFact", "facts_of", "new_facts"]
+__all__ = ["FASTER", "RunFacts", "SpeedFact", "facts_of", "new_facts"]
 
 #: a measured alternative counts as faster only at least this much faster (timings on a busy machine vary by a few
 #: percent): the bar of the precision policy's decision and of every lever that rests on a speed fact
@@ -23,25 +23,36 @@ FASTER = 1.05
 
 @dataclass(frozen=True)
 class SpeedFact:
-    """One op class in one 16-bit dtype against fp32, timed at this model's shapes.
+    """One op class run one way against another, timed at this model's shapes: a dtype against fp32, a layout.
 
     Args:
         op_class: the op class.
-        dtype: ``"bf16"`` or ``"fp16"``.
-        ratio: time in ``dtype`` over time in fp32 (below 1: faster).
+        candidate: what was tried: ``"bf16"``, ``"fp16"``, ``"channels_last"``.
+        ratio: time with ``candidate`` over time with ``baseline`` (below 1: faster).
         shapes: which shapes were timed, in words.
         source: who measured it, and when.
+        baseline: what it was timed against (``"fp32"``, ``"contiguous"``).
+        current: what the model runs in now, where that is not ``baseline`` by default (a layout).
+        passes: which passes were timed, in words, for the phrase (``"forward and backward"``); empty: unsaid.
     """
 
     op_class: str
-    dtype: str
+    candidate: str
     ratio: float
     shapes: str
     source: str
+    baseline: str = "fp32"
+    current: str | None = None
+    passes: str = ""
+
+    @property
+    def dtype(self) -> str:
+        """The candidate, named as a dtype (the precision facts')."""
+        return self.candidate
 
     @property
     def faster(self) -> bool:
-        """Whether the 16-bit dtype measured faster than fp32."""
+        """Whether the candidate measured faster than the baseline."""
         return self.ratio < 1
 
     def phrase(self) -> str:
@@ -50,37 +61,13 @@ class SpeedFact:
         Example:
             >>> SpeedFact("matmul", "bf16", 0.5, "3 GEMM shapes", "the roofline, window 1").phrase()
             'bf16 measured 2.00x faster than fp32 at 3 GEMM shapes (the roofline, window 1)'
-        """
-        return f"{self.dtype} measured {times_phrase(self.ratio)} than fp32 at {self.shapes} ({self.source})"
-
-
-@dataclass(frozen=True)
-class LayoutFact:
-    """An op class's time in ``channels_last`` against contiguous, forward and backward, at this model's shapes.
-
-    Args:
-        op_class: the op class (``"conv"``).
-        ratio: time in channels_last over time contiguous (below 1: channels_last is faster).
-        current: the layout the model runs in now: ``"contiguous"`` or ``"channels_last"``.
-        shapes: which shapes were timed, in words.
-        source: who measured it, and when.
-    """
-
-    op_class: str
-    ratio: float
-    current: str
-    shapes: str
-    source: str
-
-    def phrase(self) -> str:
-        """``"channels_last measured 1.80x faster than contiguous (forward and backward) at ... (source)"``.
-
-        Example:
-            >>> LayoutFact("conv", 0.5, "contiguous", "2 shapes", "window 1").phrase()
+            >>> SpeedFact("conv", "channels_last", 0.5, "2 shapes", "window 1", baseline="contiguous",
+            ...           current="contiguous", passes="forward and backward").phrase()
             'channels_last measured 2.00x faster than contiguous (forward and backward) at 2 shapes (window 1)'
         """
-        return (f"channels_last measured {times_phrase(self.ratio)} than contiguous (forward and backward) at"
-                f" {self.shapes} ({self.source})")
+        passes = f" ({self.passes})" if self.passes else ""
+        return (f"{self.candidate} measured {times_phrase(self.ratio)} than {self.baseline}{passes} at {self.shapes}"
+                f" ({self.source})")
 
 
 @dataclass
@@ -92,7 +79,7 @@ class RunFacts:
     ``eager_regions``: those running eagerly because compiled measured slower (region -> eager / compiled time).
     ``repairs``: module path -> dtype it was pinned to after a precision fault. ``peaks``: the measured peaks.
     ``checkpointed``: block path -> the op classes whose outputs its activation checkpoint keeps (empty: full).
-    ``layouts``: op class -> :class:`LayoutFact`, its channels_last time against contiguous.
+    ``layouts``: op class -> a :class:`SpeedFact` of its channels_last time against contiguous.
     """
 
     speeds: dict[tuple[str, str], SpeedFact] = field(default_factory=dict)
@@ -102,7 +89,7 @@ class RunFacts:
     eager_regions: dict[str, float] = field(default_factory=dict)
     repairs: dict[str, str] = field(default_factory=dict)
     checkpointed: dict[str, list[str]] = field(default_factory=dict)
-    layouts: dict[str, LayoutFact] = field(default_factory=dict)
+    layouts: dict[str, SpeedFact] = field(default_factory=dict)
     peaks: Any = None
 
     def speed(self, op_class: str) -> SpeedFact | None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
-from lightning_opkit.core.facts import LayoutFact
+from lightning_opkit.core.facts import SpeedFact
 from lightning_opkit.core.timing import filled_seconds
 from lightning_opkit.core.torch_compat import events_with_dtypes
 
@@ -111,7 +111,7 @@ def _words(shapes: list[list[int]], arguments: list[Any]) -> str:
 
 
 def conv_layout_speed(prof: Any, device: torch.device | str, window: int, current: str = "contiguous",
-                      use_device: bool = False) -> LayoutFact | None:
+                      use_device: bool = False) -> SpeedFact | None:
     """channels_last time over contiguous time of the window's costliest convolutions, weighted by their counts.
 
     Args:
@@ -137,7 +137,8 @@ def conv_layout_speed(prof: Any, device: torch.device | str, window: int, curren
         timed.append(_words(shapes, arguments))
     if not timed or contiguous_total <= 0:
         return None
-    return LayoutFact("conv", channels_last_total / contiguous_total, current,
-                      f"this model's {len(timed)} costliest conv shapes ({', '.join(timed)})" if len(timed) > 1 else
-                      f"this model's costliest conv shape ({timed[0]})",
-                      f"measured by the roofline in window {window}")
+    return SpeedFact("conv", "channels_last", channels_last_total / contiguous_total,
+                     f"this model's {len(timed)} costliest conv shapes ({', '.join(timed)})" if len(timed) > 1 else
+                     f"this model's costliest conv shape ({timed[0]})",
+                     f"measured by the roofline in window {window}", baseline="contiguous", current=current,
+                     passes="forward and backward")
