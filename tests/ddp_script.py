@@ -16,6 +16,8 @@ from lightning_opkit import ProfilerWindows, TorchCompile  # noqa: E402
 
 if __name__ == "__main__":
     out, all_ranks = sys.argv[1], sys.argv[2] == "all"
+    if sys.argv[2] == "compile-off":  # the off switch, read by every rank (the launched ranks inherit it)
+        os.environ["OPKIT_DISABLE"] = "compile"
     profiler = ProfilerWindows(every_n_steps=2, warmup=0, active=1, all_ranks=all_ranks, roofline=True)
     compiler = TorchCompile(modules=["blocks.*"], backend="eager")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[profiler, compiler],
@@ -28,6 +30,7 @@ if __name__ == "__main__":
         "trace_files": [os.path.basename(p) for p in profiler.trace_files],
         "windows": profiler.windows_done,
         "frames": compiler.watch.frames,
+        "compiler_enabled": compiler.enabled,
         "compiled": compiler.compiled,
         "weights": [round(float(v), 6) for v in model.head.weight.detach().flatten()[:6]],
         "compiled_after": ["forward" in vars(m) for m in model.blocks.modules()],

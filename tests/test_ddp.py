@@ -38,6 +38,17 @@ def run_two_ranks(script, out, arg):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+def test_the_off_switch_under_ddp_turns_a_callback_off_on_every_rank_and_the_rest_runs(tmp_path):
+    r0, r1 = run_two_ranks(SCRIPT, tmp_path, "compile-off")
+    assert [r["compiler_enabled"] for r in (r0, r1)] == [False, False]
+    assert r0["compiled"] == r1["compiled"] == []
+    assert r0["frames"] == r1["frames"] == 0  # nothing compiled on either rank, and no collective left waiting
+    assert r0["weights"] == r1["weights"]
+    assert r0["trace_files"] == ["rank0.3.pt.trace.json.gz", "rank0.5.pt.trace.json.gz"]  # the profiler still ran
+    _, texts = read_events(str(tmp_path / "lightning_logs"))
+    assert not [t for t in texts if t.startswith("opkit/compile/")]
+
+
 @pytest.mark.parametrize("ranks", ["zero", "all"])
 def test_profiler_and_compile_under_ddp(tmp_path, ranks):
     r0, r1 = run_two_ranks(SCRIPT, tmp_path, ranks)
