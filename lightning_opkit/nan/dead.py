@@ -186,6 +186,16 @@ class DeadWatch:
         self.found.extend(new)
         return new
 
+    def warning(self, new: list[Dead]) -> str | None:
+        """The warning that names ``new`` (those not frozen on purpose), or ``None`` when every one is frozen."""
+        live = [d for d in new if not d.frozen]
+        if not live:
+            return None
+        return (f"NaNDetector: no gradient over {self.after} checked steps in a row for " + "; ".join(
+            f"{d.row()[0]} ({d.module_type} {d.module!r}: {d.what})" for d in live[:8]) + (
+            f" and {len(live) - 8} more" if len(live) > 8 else "") + ": a layer frozen by mistake, a branch never"
+            " taken, an expert no token is routed to, or a gate trained through topk indices")
+
     def summary_line(self) -> str:
         """The run summary's line: what was found without a gradient."""
         return (f"  no gradient over {self.after} checked steps: {len(self.found)} parameter(s) or expert(s)"

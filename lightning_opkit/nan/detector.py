@@ -26,18 +26,17 @@ from typing_extensions import override
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int, check_positive
 from lightning_opkit.core.facts import facts_of
-from lightning_opkit.core.fp32 import has_low_weights
-from lightning_opkit.core.kit import PinsModules, RunsModulesInDtype, offering
-from lightning_opkit.core.ranks import Ranks, local
+from lightning_opkit.core.kit import PinsModules, offering
+from lightning_opkit.core.ranks import Ranks
 from lightning_opkit.core.replay import rng_state, set_rng_state
 from lightning_opkit.core.select import resolve_modules
-from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.warn import warn_once
-from lightning_opkit.nan.check import Checked, check, flags
-from lightning_opkit.nan.dead import COLUMNS, DeadWatch
+from lightning_opkit.nan.check import check, flags
+from lightning_opkit.nan.dead import DeadWatch
 from lightning_opkit.nan.device import HostCopy, as_of_step, takes_found_inf
+from lightning_opkit.nan.log import write_dead, write_report
 from lightning_opkit.nan.repair import Repairs
-from lightning_opkit.nan.replays import MicroBatch, Replays, from_rank, ran_compiled
+from lightning_opkit.nan.replays import MicroBatch, Replays
 from lightning_opkit.nan.report import (
     NaNReport,
     NonFiniteError,
@@ -47,7 +46,7 @@ from lightning_opkit.nan.report import (
 )
 from lightning_opkit.nan.scaler import ScaleWatch, collapse_cause
 from lightning_opkit.nan.skip import BatchState, StepSkipper
-from lightning_opkit.nan.spike_report import SpikeCase, Spikes, investigate, top_jumps
+from lightning_opkit.nan.spike_report import Spikes
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
@@ -75,6 +74,25 @@ def _check_device_decision(trainer: pl.Trainer) -> None:
                              " Adam, AdamW, SGD, Adagrad), or use decide='host'")
 
 
+def _check_args(action: Any, every_n_steps: Any, modules: Any, max_consecutive_skips: Any, spike_zscore: Any,
+                spike_window: Any, dead_after: Any, decide: Any, **flags: Any) -> None:
+    """Raise for the first bad ``NaNDetector`` argument, naming it, its value and what is valid."""
+    check_choice("action", action, _ACTIONS)
+    check_bools(**flags)
+    if not (flags["check_forward"] or flags["check_backward"] or flags["check_loss"]):
+        raise ValueError("At least one of `check_forward`, `check_backward`, `check_loss` must be True")
+    check_int("every_n_steps", every_n_steps, 0)
+    check_int("max_consecutive_skips", max_consecutive_skips, 1)
+    check_globs("modules", modules)
+    check_int("spike_window", spike_window, 2)
+    check_positive("spike_zscore", spike_zscore, "such as 6.0, or None")
+    check_int("dead_after", dead_after, 1, optional=True)
+    check_choice("decide", decide, _DECIDE)
+    if decide == "device" and spike_zscore is not None:
+        raise ValueError(f"NaNDetector(decide='device') reads a step's values one step late, too late to leave a"
+                         f" spike's update out: spike_zscore={spike_zscore!r} needs decide='host'")
+
+
 @dataclass
 class _Late:
     """A checked step whose flags were left on the device (``decide="device"``), to be read at the next step."""
@@ -98,7 +116,7 @@ def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detect
     report = detector._amended(trainer, pl_module, detector._replays.new_report(
         trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), detector.action in ("skip", "warn"))
     detector.reports.append(report)
-    _log(detector, trainer, report)
+    detector._log(trainer, report)
     if detector.action == "raise":
         raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
     if detector.action == "stop":
@@ -107,74 +125,18 @@ def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detect
         warn_once(format_report(report), key=("nan", "scaler", report.origin.module), stacklevel=3)
 
 
-def _log(detector: NaNDetector, trainer: pl.Trainer, report: NaNReport) -> None:
-    """A report in TensorBoard (and the Trainer's other loggers): the counters, the report, its cause."""
-    writer = detector._writer
-    if writer is None:
-        return
-    step = trainer.global_step
-    detector._log_counters(trainer)
-    rows = [[key, "-" if value is None else value] for key, value in report.as_dict().items()]
-    writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows), step)
-    if report.cause is not None:
-        writer.text("opkit/nan/cause", f"**{report.cause.cause}**: {report.cause.advice}", step)
-    writer.flush()
-
-
 def _name_dead(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Name, once, the parameters and experts whose gradient stopped: a warning, a table, a scalar."""
     watch = detector._dead
     new = watch.newly_dead(pl_module) if watch is not None else []
     if not new or watch is None:
         return
-    live = [d for d in new if not d.frozen]
-    if live:
-        warn_once(f"NaNDetector: no gradient over {watch.after} checked steps in a row for " + "; ".join(
-            f"{d.row()[0]} ({d.module_type} {d.module!r}: {d.what})" for d in live[:8]) + (
-            f" and {len(live) - 8} more" if len(live) > 8 else "") + ": a layer frozen by mistake, a branch never"
-            " taken, an expert no token is routed to, or a gate trained through topk indices", stacklevel=3)
+    warning = watch.warning(new)
+    if warning is not None:
+        warn_once(warning, stacklevel=3)
     if detector._writer is not None:
-        step = trainer.global_step
         detector._log_counters(trainer)
-        detector._writer.text("opkit/nan/dead_parameters", markdown_table(COLUMNS, [d.row() for d in watch.found]),
-                              step)
-        detector._writer.flush()
-
-
-def _spike_report(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
-                  pending: list[MicroBatch], checked: Checked, kind: str,
-                  optimizer: torch.optim.Optimizer) -> NaNReport:
-    """A spike's report: where it starts, what jumped, and why (see :func:`.spike_report.investigate`)."""
-    spikes = detector._spikes
-    if checked.local is None or spikes.watch is None:
-        raise RuntimeError("NaNDetector: a spike was scored without a spike watch")
-    ranks, resume_rng = Ranks(pl_module.device), rng_state()
-    own_values = checked.local.tolist()  # the slow path: syncs freely
-    own = spikes.watch.scores((own_values[0], own_values[1]))[0 if kind == "loss" else 1]
-    rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]  # the rank that spiked highest (lowest on a tie)
-    agree = functools.partial(from_rank, ranks, rank)
-    micro = max(pending, key=lambda m: -math.inf if m.loss is None else m.loss.float().mean().item())
-    good, n = spikes.last_good, max(len(pending), 1)
-    step_loss = detector._replays.step_loss
-    case = SpikeCase(pl_module, detector._replays.hooked, functools.partial(step_loss, trainer, pl_module, micro),
-                     micro.rng, None if good is None else (step_loss(trainer, pl_module, good), good.rng),
-                     micro.batch_idx, kind, spikes.zscore, 1 / n)
-    policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))
-    names = {id(p): name for name, p in pl_module.named_parameters()}
-    stepped = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
-               if p.grad is not None and not local(p.grad).is_sparse and local(p.grad).numel()]
-    lowered = "mixed" in str(trainer.precision) or has_low_weights(pl_module) or bool(policies)
-    try:
-        found = investigate(case, spikes.watch, lambda: top_jumps(checked.norms, spikes.running, stepped), policies,
-                            lowered, ran_compiled(trainer), agree)
-    finally:
-        set_rng_state(resume_rng)
-    # the loss as training_step returned it: Lightning hands on_before_backward it divided by the accumulation
-    loss = agree(None if micro.loss is None else micro.loss.float().mean().item() * n)
-    report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause,
-                       detector.action)
-    return dataclasses.replace(report, kind="spike", loss=loss, zscore=spikes.watch.scores(checked.values)[
-        0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)
+        write_dead(detector._writer, watch.found, trainer.global_step)
 
 
 def _check_inputs(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -293,20 +255,9 @@ class NaNDetector(OpkitCallback):
         log_dir: Optional[str] = None,
     ) -> None:
         super().__init__(enabled, log_dir, off="every_n_steps=0" if every_n_steps == 0 else None)
-        check_choice("action", action, _ACTIONS)
-        check_bools(check_forward=check_forward, check_backward=check_backward, check_loss=check_loss, repair=repair)
-        if not (check_forward or check_backward or check_loss):
-            raise ValueError("At least one of `check_forward`, `check_backward`, `check_loss` must be True")
-        check_int("every_n_steps", every_n_steps, 0)
-        check_int("max_consecutive_skips", max_consecutive_skips, 1)
-        check_globs("modules", modules)
-        check_int("spike_window", spike_window, 2)
-        check_positive("spike_zscore", spike_zscore, "such as 6.0, or None")
-        check_int("dead_after", dead_after, 1, optional=True)
-        check_choice("decide", decide, _DECIDE)
-        if decide == "device" and spike_zscore is not None:
-            raise ValueError(f"NaNDetector(decide='device') reads a step's values one step late, too late to leave a"
-                             f" spike's update out: spike_zscore={spike_zscore!r} needs decide='host'")
+        _check_args(action, every_n_steps, modules, max_consecutive_skips, spike_zscore, spike_window, dead_after,
+                    decide, check_forward=check_forward, check_backward=check_backward, check_loss=check_loss,
+                    repair=repair)
         self.action = action
         self.check_forward = check_forward
         self.check_backward = check_backward
@@ -489,7 +440,8 @@ class NaNDetector(OpkitCallback):
         scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
         spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(*scores)
         if spiked is not None:
-            self._act(trainer, pl_module, _spike_report(trainer, pl_module, self, pending, checked, spiked, optimizer))
+            self._act(trainer, pl_module, self._replays.spike_report(trainer, pl_module, self._spikes, pending, checked,
+                                                                     spiked, optimizer))
             return
         if not (loss_bad or grad_bad):
             self.consecutive_skips = 0
@@ -523,11 +475,11 @@ class NaNDetector(OpkitCallback):
         if not late or not goes_on:
             self._skipper.restore_buffers()
         if self.action == "skip" and self.consecutive_skips + 1 > self.max_consecutive_skips:
-            _log(self, trainer, report)
+            self._log(trainer, report)
             raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
                                                 f" (max_consecutive_skips={self.max_consecutive_skips}).")
         if self.action == "raise":
-            _log(self, trainer, report)
+            self._log(trainer, report)
             raise NonFiniteError(report)
         if not late or self.action == "stop":
             # the optimizer step itself is left out (see skip.py); a step late, with stop, the next one is: the run
@@ -535,7 +487,7 @@ class NaNDetector(OpkitCallback):
             self._skipper.state = BatchState.SKIP_PENDING
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        _log(self, trainer, report)
+        self._log(trainer, report)
         if self.action == "warn":
             # a fault that repeats is said once; each is counted in TensorBoard and the summary
             warn_once(format_report(report) + (" The optimizer step was skipped on the device (decide='device')."
@@ -568,6 +520,11 @@ class NaNDetector(OpkitCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _settle(self, trainer, pl_module)
+
+    def _log(self, trainer: pl.Trainer, report: NaNReport) -> None:
+        if self._writer is not None:
+            self._log_counters(trainer)
+            write_report(self._writer, report, trainer.global_step)
 
     def _log_counters(self, trainer: pl.Trainer) -> None:
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,

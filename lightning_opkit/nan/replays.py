@@ -8,7 +8,9 @@ gathered origins, each replay's outcome) is the same on every rank, so every ran
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +19,16 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_opkit.core.fp32 import has_low_weights
 from lightning_opkit.core.kit import CompilesRegions, RunsModulesInDtype, offering
-from lightning_opkit.core.ranks import Ranks
+from lightning_opkit.core.ranks import Ranks, local
 from lightning_opkit.core.replay import rng_state, set_rng_state
 from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.nan.cause import diagnose
-from lightning_opkit.nan.check import bad_gradient_shard
+from lightning_opkit.nan.check import Checked, bad_gradient_shard
 from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.report import SHARD_ONLY, Cause, NaNReport, Origin, not_reproduced
+from lightning_opkit.nan.spike_report import SpikeCase, Spikes, investigate, top_jumps
 
 __all__ = ["MicroBatch", "Replays", "from_rank", "ran_compiled"]
 
@@ -141,6 +145,51 @@ class Replays:
                    rank: int) -> NaNReport:
         """A report at the Trainer's current step and epoch."""
         return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause, self.action)
+
+    def spike_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spikes: Spikes,
+                     pending: list[MicroBatch], checked: Checked, kind: str,
+                     optimizer: torch.optim.Optimizer) -> NaNReport:
+        """A spike's report: where it starts, what jumped, and why (see :func:`.spike_report.investigate`).
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the LightningModule, on the weights the step ran on.
+            spikes: the detector's spike statistics.
+            pending: the step's micro-batches.
+            checked: the step's check (its values, norms and this rank's own values).
+            kind: ``"loss"`` or ``"gradient"``: what spiked.
+            optimizer: the optimizer about to step.
+        """
+        if checked.local is None or spikes.watch is None:
+            raise RuntimeError("NaNDetector: a spike was scored without a spike watch")
+        ranks, resume_rng = Ranks(pl_module.device), rng_state()
+        own_values = checked.local.tolist()  # the slow path: syncs freely
+        own = spikes.watch.scores((own_values[0], own_values[1]))[0 if kind == "loss" else 1]
+        # the rank that spiked highest (the lowest on a tie)
+        rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]
+        agree = functools.partial(from_rank, ranks, rank)
+        micro = max(pending, key=lambda m: -math.inf if m.loss is None else m.loss.float().mean().item())
+        good, n = spikes.last_good, max(len(pending), 1)
+        step_loss = self.step_loss
+        case = SpikeCase(pl_module, self.hooked, functools.partial(step_loss, trainer, pl_module, micro),
+                         micro.rng, None if good is None else (step_loss(trainer, pl_module, good), good.rng),
+                         micro.batch_idx, kind, spikes.zscore, 1 / n)
+        policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))
+        names = {id(p): name for name, p in pl_module.named_parameters()}
+        stepped = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
+                   if p.grad is not None and not local(p.grad).is_sparse and local(p.grad).numel()]
+        lowered = "mixed" in str(trainer.precision) or has_low_weights(pl_module) or bool(policies)
+        try:
+            found = investigate(case, spikes.watch, lambda: top_jumps(checked.norms, spikes.running, stepped), policies,
+                                lowered, ran_compiled(trainer), agree)
+        finally:
+            set_rng_state(resume_rng)
+        # the loss as training_step returned it: Lightning hands on_before_backward it divided by the accumulation
+        loss = agree(None if micro.loss is None else micro.loss.float().mean().item() * n)
+        report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause,
+                           self.action)
+        return dataclasses.replace(report, kind="spike", loss=loss, zscore=spikes.watch.scores(checked.values)[
+            0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)
 
     @staticmethod
     def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, micro: MicroBatch,
