@@ -17,7 +17,7 @@ One folder per callback, each over Trainer-free parts, on a shared core:
 from lightning_opkit.checkpointing import ActivationCheckpointing
 from lightning_opkit.checkpointing.activation_checkpointing import Price
 from lightning_opkit.compile import TorchCompile
-from lightning_opkit.compile.checkpoints import strip_compile_prefix
+from lightning_opkit.compile.state_keys import strip_compile_prefix
 from lightning_opkit.core.deprecations import OpkitDeprecationWarning
 from lightning_opkit.core.replay import replaying
 from lightning_opkit.core.select import find_blocks, module_names

@@ -1,8 +1,8 @@
 """TorchCompile: optional, in-place, optionally regional torch.compile, observable and checkpoint-safe.
 
 The callback orchestrates Trainer-free parts: argument checks and the backend (:mod:`~lightning_opkit.compile.config`),
-the forward that replaces each region's (:mod:`~lightning_opkit.compile.region`), block discovery and region records
-(:mod:`~lightning_opkit.compile.regions`) and dynamo's counters (:mod:`~lightning_opkit.compile.watch`).
+the forward that replaces each region's (:mod:`~lightning_opkit.compile.compiled_forward`), block discovery and region
+records (:mod:`~lightning_opkit.compile.regions`) and dynamo's counters (:mod:`~lightning_opkit.compile.watch`).
 
 Logged (rank zero): ``opkit/compile/compile_time_s``, ``compiles``, ``graphs``, ``graph_breaks``, ``recompiles``
 (scalars, when they change), ``eager_regions``, ``step_time_ms`` (median steady step), ``eager_fallback``; the
@@ -21,10 +21,10 @@ import torch._inductor.config
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_opkit.compile.checkpoints import loading_old_checkpoints
+from lightning_opkit.compile.compiled_forward import CompiledForward, RegionHooks, limit_message, nothing_compiled
 from lightning_opkit.compile.config import check_compile_args, make_backend
-from lightning_opkit.compile.region import CompiledForward, RegionHooks, limit_message, nothing_compiled
 from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code
+from lightning_opkit.compile.state_keys import loading_old_checkpoints
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.deprecations import renamed
