@@ -49,11 +49,11 @@ TAGS: tuple[Tag, ...] = (
     # PrecisionPolicy
     Tag("opkit/precision/policy", "text", "", "setup, and after `rules='auto'` decides",
         "the effective table, why (the evidence under `auto`), the module overrides"),
-    Tag("opkit/precision/sensitivity", "text", "", "`auto` or `check_speed`, once measured",
+    Tag("opkit/precision/sensitivity", "text", "", "`auto` or `measure`, once measured",
         "per class x dtype: ops per step, fp32 ms, speed against fp32, chosen; the whole-step candidates"),
     Tag("opkit/precision/decision", "text", "", "`auto`: the decision, and again when the trials end",
         "the chosen table's error beside plain bf16-mixed's, trial medians, each class's dtype and evidence"),
-    Tag("opkit/precision/measure_s", "scalar", "s", "each measurement (`auto`, `check_speed`)",
+    Tag("opkit/precision/measure_s", "scalar", "s", "each measurement (`auto`, `measure`)",
         "seconds the measurement took"),
     Tag("opkit/precision/census", "text", "", _CENSUS,
         "class, dtype it ran in, decided by, calls, relative error, underflow, max |output|, fp16 headroom"),
