@@ -29,7 +29,7 @@ from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.results import Measurement
 from lightning_opkit.profiler import ProfilerWindows
 from lightning_opkit.profiler.memory import MemoryReport
-from lightning_opkit.profiler.report import WindowReport
+from lightning_opkit.profiler.op_times import WindowReport
 from lightning_opkit.profiler.roofline.report import RooflineReport
 
 # Grouped: the callbacks, the helpers, the types behind their public attributes and results.

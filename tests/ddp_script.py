@@ -13,6 +13,7 @@ from helpers import make_loader  # noqa: E402
 from test_compile import Blocks  # noqa: E402
 
 from lightning_opkit import ProfilerWindows, TorchCompile  # noqa: E402
+from lightning_opkit.profiler.roofline.levers import lever  # noqa: E402
 
 if __name__ == "__main__":
     out, all_ranks = sys.argv[1], sys.argv[2] == "all"
@@ -41,6 +42,6 @@ if __name__ == "__main__":
     if roofline is not None:
         comm = roofline.rows.get("communication")
         result.update(link_gbps=roofline.peaks.link_gbps, comm_bytes_per_step=comm and comm.bytes / roofline.steps,
-                      comm_gbps=comm and comm.gbps, comm_lever=comm and roofline.lever(comm))
+                      comm_gbps=comm and comm.gbps, comm_lever=comm and lever(comm, roofline))
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

@@ -31,6 +31,7 @@ from lightning_opkit import (  # noqa: E402
     TorchCompile,
     replaying,
 )
+from lightning_opkit.profiler.roofline.levers import lever  # noqa: E402
 
 BAD_STEP = 3
 
@@ -278,7 +279,7 @@ def fit(out, layout, name, steps=10):
             result["roofline"] = {"link_gbps": roofline.peaks.link_gbps, "mfu": roofline.mfu(),
                                   "matmul_gflops": roofline.rows["matmul"].flops / 1e9 / roofline.steps,
                                   "comm_bytes": comm.bytes / roofline.steps if comm else 0.0,
-                                  "comm_lever": roofline.lever(comm) if comm else ""}
+                                  "comm_lever": lever(comm, roofline) if comm else ""}
     if "checkpointing" in made:
         price = made["checkpointing"].price
         result["checkpointed"] = made["checkpointing"].checkpointed

@@ -13,7 +13,7 @@ from torch.utils import flop_counter
 
 from lightning_opkit.nan.check import all_finite, check_step
 from lightning_opkit.opclass import classify_profiler_event
-from lightning_opkit.profiler.report import communication_time, summarize
+from lightning_opkit.profiler.op_times import communication_time, summarize
 from lightning_opkit.profiler.roofline.peaks import Peaks, datasheet, tf32_matmuls
 from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines

@@ -77,6 +77,32 @@ def test_no_class_over_250_code_lines_nor_function_over_60():
                 assert _code_lines(lines, node) <= 60, f"{path}: {node.name}"
 
 
+def _functions_taking_a_callback(tree, callbacks):
+    """Module-level functions with a parameter annotated as one of the callbacks (their internals moved out)."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.args + node.args.kwonlyargs:
+                if arg.annotation is not None and {n.id for n in ast.walk(arg.annotation)
+                                                   if isinstance(n, ast.Name)} & callbacks:
+                    yield f"{node.name}({arg.arg})"
+
+
+def test_no_class_needs_module_functions_that_take_it_nor_reads_another_s_privates():
+    callbacks = set(lightning_opkit.__all__) & {"NaNDetector", "PrecisionPolicy", "ProfilerWindows", "TorchCompile",
+                                                "ActivationCheckpointing"}
+    assert len(callbacks) == 5
+    names = {"detector", "policy", "windows", "compiler", "checkpointing", "callback"}
+    for path, tree in _modules():
+        assert not list(_functions_taking_a_callback(tree, callbacks)), path
+        # a callback's private state is its own: no `detector._x` outside its class
+        reads = [f"{n.value.id}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and
+                 isinstance(n.value, ast.Name) and n.value.id in names and n.attr.startswith("_")]
+        assert not reads, (path, reads)
+    # the check sees what it is for
+    planted = ast.parse("def _settle(detector: NaNDetector, trainer) -> None:\n    detector._late = None\n")
+    assert list(_functions_taking_a_callback(planted, callbacks)) == ["_settle(detector)"]
+
+
 def test_public_import_paths_stay():
     from lightning_opkit.compile import TorchCompile
     from lightning_opkit.nan import NaNDetector, NonFiniteError
@@ -150,3 +176,21 @@ def test_checkpoint_fixture_is_the_flat_layouts():
     state = torch.load(DATA / "v0.1.ckpt", weights_only=False)["callbacks"]
     assert any(key.startswith("NaNDetector") for key in state)
     assert os.path.getsize(DATA / "v0.1.ckpt") < 64_000
+
+
+def test_the_nan_path_in_the_architecture_page_names_files_that_exist_and_few_of_them():
+    import re
+
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## One NaN, from the hook to the tag")[1].split("\n## ")[0]
+    steps = re.findall(r"^\d+\. `([\w/]+\.py)`", section, flags=re.M)
+    assert len(steps) == 8
+    named = set(re.findall(r"`((?:nan|core)/\w+\.py)`", section))
+    assert {f for f in named if f.startswith("nan/")} >= set(steps)
+    for file in named:
+        assert (PACKAGE / file).is_file(), file
+    # the detector reaches each step's file, directly or through the others
+    imported = {f"nan/{m.split('.')[-1]}.py" for path, tree in _modules() if path.parent.name == "nan"
+                for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                for m in [node.module] if m.startswith("lightning_opkit.nan.")}
+    assert set(steps) - {"nan/detector.py"} <= imported

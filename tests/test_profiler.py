@@ -10,7 +10,7 @@ from helpers import TinyNet, make_loader, read_events, snapshot, trainer
 from examples.vit import ViTClassifier
 from lightning_opkit import ProfilerWindows
 from lightning_opkit.profiler import window_phase
-from lightning_opkit.profiler.report import summarize
+from lightning_opkit.profiler.op_times import summarize
 
 
 class ProfilerState(pl.Callback):
@@ -213,7 +213,7 @@ def test_one_schedule_drives_torch_profiler_as_torch_own_schedule_would(every, w
 
 def test_what_began_once_a_window_was_settling_its_collectives_is_no_part_of_the_window():
     # under gloo the window's last batch ends in a barrier (settle_collectives) still recorded: it is not the step's
-    from lightning_opkit.profiler.report import summarize, window_events
+    from lightning_opkit.profiler.op_times import summarize, window_events
     from lightning_opkit.profiler.roofline.work import class_rooflines
     from lightning_opkit.profiler.session import SETTLE
 

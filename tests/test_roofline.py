@@ -15,6 +15,7 @@ from zoo import build
 from lightning_opkit import ProfilerWindows
 from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
 from lightning_opkit.profiler.roofline.layout_speed import _step
+from lightning_opkit.profiler.roofline.levers import lever as lever_of
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
@@ -184,7 +185,7 @@ def _compute_bound_matmul():
 def _lever(facts):
     rows, peaks = _compute_bound_matmul()
     assert rows["matmul"].bound(peaks)[0] == "compute"
-    return RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=facts).lever(rows["matmul"])
+    return lever_of(rows["matmul"], RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=facts))
 
 
 def test_precision_lever_rests_on_a_measurement_at_the_models_shapes():
@@ -239,7 +240,7 @@ def test_the_roofline_times_bf16_at_the_windows_own_gemm_shapes_without_a_policy
     roofline = windows.last_roofline
     matmul = roofline.rows["matmul"]
     assert matmul.bound(roofline.peaks)[0] == "compute"
-    lever = roofline.lever(matmul)
+    lever = lever_of(matmul, roofline)
     assert fact.phrase() in lever  # the lever names what it rests on, whichever way it came out here
     # and never suggests what the measurement contradicts
     assert ("PrecisionPolicy(rules={'matmul': 'bf16'})" in lever) == (fact.ratio * 1.05 <= 1)
@@ -254,7 +255,7 @@ def test_fusion_lever_for_memory_bound_norm_and_activation_names_the_blocks():
     peaks = measure_peaks("cpu", ("fp32",))
     report = RooflineReport(rows, peaks, steps=1, step_seconds=1.0, blocks=["model.blocks.0", "model.blocks.1"])
     assert rows["norm"].bound(peaks)[0] == "memory"
-    lever = report.lever(rows["norm"])
+    lever = lever_of(rows["norm"], report)
     assert "TorchCompile(modules=['model.blocks.*'])" in lever
     assert f"({peaks.bandwidth_gbps:.1f} GB/s)" in lever  # the measured roof beside the percentage
 
@@ -272,7 +273,7 @@ def test_tiny_ops_are_overhead_bound_and_told_to_batch_or_compile():
     peaks = measure_peaks("cpu", ("fp32",))
     kind, pct = rows["matmul"].bound(peaks)
     assert kind == "overhead", pct
-    lever = RooflineReport(rows, peaks, steps=1, step_seconds=1.0).lever(rows["matmul"])
+    lever = lever_of(rows["matmul"], RooflineReport(rows, peaks, steps=1, step_seconds=1.0))
     assert "calls / step" in lever
     assert "TorchCompile()" in lever
     assert "a bigger batch" in lever
@@ -306,7 +307,7 @@ def test_inductor_fused_kernels_count_their_time_with_their_class_and_are_not_to
     for cls, row in fused.items():
         # the class's time is the op-class share's time, fused kernels included
         assert 1e6 * (row.seconds + row.unknown_seconds) == pytest.approx(report.class_self_us[cls], rel=1e-6), cls
-        assert "fuse it" not in roofline.lever(row), roofline.lever(row)
+        assert "fuse it" not in lever_of(row, roofline), lever_of(row, roofline)
     # the GEMMs stay extern kernels (aten::addmm / mm) with shapes: their FLOPs are counted
     assert roofline.rows["matmul"].flops > 0
     table = texts_of(tmp_path)["opkit/profiler/roofline"][-1][1]
@@ -346,7 +347,7 @@ def test_attention_by_its_math_path_counts_its_gemms_as_matmul_and_is_told_so():
     assert rows["attention"].flops == 0
     assert rows["attention"].bound(peaks)[0] == "dispatch"
     report = RooflineReport(rows, peaks, steps=1, step_seconds=1.0)
-    assert "no op of this class did work of its own" in report.lever(rows["attention"])
+    assert "no op of this class did work of its own" in lever_of(rows["attention"], report)
     assert report.worst().op_class != "attention"
 
 
@@ -384,7 +385,7 @@ def test_no_fusion_lever_where_torch_compile_compiled_and_eager_regions_named():
     facts = RunFacts(compiled=["model.blocks.0", "model.blocks.1"], eager_regions={"model.blocks.1": 0.8})
     report = RooflineReport(rows, peaks, steps=1, step_seconds=1.0, blocks=["model.blocks.0", "model.blocks.1"],
                             facts=facts)
-    lever = report.lever(rows["norm"])
+    lever = lever_of(rows["norm"], report)
     assert "TorchCompile(modules=" not in lever  # compiled already: fusion is not the lever
     assert "compiled already" in lever
     assert "model.blocks.1 (0.80x)" in lever  # the region measured slower compiled, and running eager, is named
@@ -399,7 +400,7 @@ def _conv_lever(ratio, current):
     fact = SpeedFact("conv", "channels_last", ratio, "this model's 2 costliest conv shapes", "measured by the roofline",
                      baseline="contiguous", current=current, passes="forward and backward")
     report = RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts(layouts={"conv": fact}))
-    return fact, report.lever(rows["conv"])
+    return fact, lever_of(rows["conv"], report)
 
 
 def test_layout_lever_only_where_the_measurement_supports_it():
@@ -414,8 +415,8 @@ def test_layout_lever_only_where_the_measurement_supports_it():
     assert f"runs channels_last ({fact.phrase()})" in lever
     assert "memory_format" not in lever
     rows, peaks = _compute_bound_matmul()  # not timed: nothing said about layout
-    assert "channels_last" not in RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts()).lever(
-        rows["matmul"])
+    assert "channels_last" not in lever_of(rows["matmul"],
+                                           RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts()))
 
 
 def test_both_layouts_timed_compute_the_same_gradients():
@@ -448,7 +449,7 @@ def test_the_roofline_times_the_zoo_cnns_convolutions_in_both_layouts(tmp_path, 
     assert "8x8x3x3" in fact.shapes, fact.shapes
     assert 0 < fact.ratio < 100
     roofline = windows.last_roofline
-    lever = roofline.lever(roofline.rows["conv"])
+    lever = lever_of(roofline.rows["conv"], roofline)
     assert fact.phrase() in lever  # whichever way it came out on this machine, the lever says what it rests on
     faster = fact.ratio * 1.05 <= 1
     assert ("model.to(memory_format=torch.channels_last)" in lever) == (faster and layout == "contiguous")

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_opkit.core.kit import HearsOfFailure, offering
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
-from lightning_opkit.core.summary import end_summary, start_summary
+from lightning_opkit.core.summary import report, start_summary
 from lightning_opkit.core.switch import AREAS, ENV, disabled_areas
 
 __all__ = ["OpkitCallback"]
@@ -70,6 +70,7 @@ class OpkitCallback(Callback):
         self._writer: LogWriter | None = None
         self._patches = Patches()
         self._said_off = False
+        self._summary_due = False  # a fit was set up and its summary not written yet
         if self.area and self.area not in AREAS:
             raise ValueError(f"{type(self).__name__}.area={self.area!r}: expected one of {AREAS}")
         disabled = self.area in disabled_areas()
@@ -103,6 +104,7 @@ class OpkitCallback(Callback):
         self._writer = LogWriter(trainer, self.log_dir)
         if stage == "fit":
             start_summary(self, trainer, self._writer)
+            self._summary_due = True
         return self._writer
 
     def _scalars(self, prefix: str, values: dict[str, float | None], step: int) -> None:
@@ -126,7 +128,7 @@ class OpkitCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._wind_down(trainer, pl_module)
         if stage == "fit":
-            end_summary(self, trainer, self._writer)
+            self._end_summary(trainer)
         self._detach(trainer, pl_module)
 
     @override
@@ -134,7 +136,13 @@ class OpkitCallback(Callback):
         for member in offering(trainer, HearsOfFailure):  # the first callback writes the summary: all know first
             member.ended_by(trainer, exception)
         self._wind_down(trainer, pl_module)
-        end_summary(self, trainer, self._writer, exception)
+        self._end_summary(trainer, exception)
         self._detach(trainer, pl_module)
+
+    def _end_summary(self, trainer: pl.Trainer, exception: BaseException | None = None) -> None:
+        """At the end of a fit or on its exception: the summary, once (first opkit callback only)."""
+        if self._summary_due:
+            self._summary_due = False
+            report(trainer, self, self._writer, exception)
 
 

@@ -63,27 +63,10 @@ def start_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter) -> None
         trainer: the running trainer.
         writer: its writer.
     """
-    callback._opkit_summarized = False
     if is_first(trainer, callback):
         new_facts(trainer)  # a new fit measures anew; the first callback's setup runs before the others'
         new_run()  # and says each warning once again
     write_layout(trainer, callback, writer)
-
-
-def end_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter | None,
-              exception: BaseException | None = None) -> None:
-    """At the end of a fit or on its exception: the summary, once (first opkit callback only).
-
-    Args:
-        callback: the calling opkit callback.
-        trainer: the trainer.
-        writer: its writer.
-        exception: what ended the fit, if it failed.
-    """
-    if getattr(callback, "_opkit_summarized", True):
-        return
-    callback._opkit_summarized = True
-    report(trainer, callback, writer, exception)
 
 
 def report(trainer: pl.Trainer, callback: Any, writer: LogWriter | None,

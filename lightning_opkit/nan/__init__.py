@@ -9,7 +9,11 @@ How a checked step goes, file by file:
 - :mod:`.locate`: the replay with per-module hooks that names where the first non-finite value came from.
 - :mod:`.cause`: the replays that tell precision from data or model faults from transient ones.
 - :mod:`.report`: the typed report (:class:`~.report.NaNReport`), its dict view and :class:`NonFiniteError`.
-- :mod:`.detector`: :class:`NaNDetector`, the Lightning callback that runs them in that order.
+- :mod:`.actions`: what is done about the report: the repair (:mod:`.repair`), the counters, what :mod:`.log` writes,
+  then raise, skip, warn or stop.
+- :mod:`.detector`: :class:`NaNDetector`, the Lightning callback that hands each hook to them in that order, and
+  to the watches beside the check: :mod:`.spike` and :mod:`.spike_report` (loss and gradient spikes), :mod:`.dead`
+  (parameters without a gradient), :mod:`.scaler` (a GradScaler's collapse).
 """
 
 from lightning_opkit.nan.detector import NaNDetector

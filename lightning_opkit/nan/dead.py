@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_opkit.core.ranks import local
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import classify_module
 
 __all__ = ["Dead", "DeadWatch"]
@@ -184,6 +185,18 @@ class DeadWatch:
                             classify_module(owner) if owner is not None else "other", expert, what, since,
                             param is not None and not param.requires_grad))
         self.found.extend(new)
+        return new
+
+    def name_new(self, model: nn.Module) -> list[Dead]:
+        """Name, once, what newly reached ``after``: a warning (those not frozen on purpose); returns them.
+
+        Args:
+            model: the root module.
+        """
+        new = self.newly_dead(model)
+        warning = self.warning(new) if new else None
+        if warning is not None:
+            warn_once(warning, stacklevel=4)
         return new
 
     def warning(self, new: list[Dead]) -> str | None:

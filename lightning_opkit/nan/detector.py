@@ -11,11 +11,9 @@ each event and each epoch's end), ``opkit/nan/report`` (the report and its field
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -26,25 +24,16 @@ from typing_extensions import override
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs, check_int, check_positive
 from lightning_opkit.core.facts import facts_of
-from lightning_opkit.core.kit import PinsModules, offering
-from lightning_opkit.core.ranks import Ranks
-from lightning_opkit.core.replay import rng_state, set_rng_state
+from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.select import resolve_modules
-from lightning_opkit.core.warn import warn_once
+from lightning_opkit.nan.actions import Actions, pinner
 from lightning_opkit.nan.check import check, flags
 from lightning_opkit.nan.dead import DeadWatch
-from lightning_opkit.nan.device import HostCopy, as_of_step, takes_found_inf
+from lightning_opkit.nan.device import DeviceDecision, check_device_decision
 from lightning_opkit.nan.log import write_dead, write_report
-from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.replays import MicroBatch, Replays
-from lightning_opkit.nan.report import (
-    NaNReport,
-    NonFiniteError,
-    Origin,
-    amended,
-    format_report,
-)
-from lightning_opkit.nan.scaler import ScaleWatch, collapse_cause
+from lightning_opkit.nan.report import NaNReport, NonFiniteError, format_report
+from lightning_opkit.nan.scaler import ScaleWatch
 from lightning_opkit.nan.skip import BatchState, StepSkipper
 from lightning_opkit.nan.spike_report import Spikes
 
@@ -52,26 +41,6 @@ __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
 _ACTIONS = ("raise", "skip", "warn", "stop")
 _DECIDE = ("host", "device")
-
-
-def _pinner(trainer: pl.Trainer) -> PinsModules | None:
-    """The attached precision policy that pins a module to a dtype, if any."""
-    return next(offering(trainer, PinsModules), None)
-
-
-def _check_device_decision(trainer: pl.Trainer) -> None:
-    """``decide="device"`` needs optimizers that take ``found_inf``, and no GradScaler of its own deciding skips."""
-    if getattr(trainer.precision_plugin, "scaler", None) is not None:
-        raise ValueError("NaNDetector(decide='device') cannot share the optimizer's found_inf with this run's"
-                         f" GradScaler (precision={trainer.precision!r}): use decide='host', or bf16")
-    if not trainer.lightning_module.automatic_optimization:
-        raise ValueError("NaNDetector(decide='device') needs automatic optimization (it hands the optimizer step its"
-                         " found_inf): this LightningModule optimizes manually; use decide='host'")
-    for optimizer in trainer.optimizers:
-        if not takes_found_inf(optimizer):
-            raise ValueError(f"NaNDetector(decide='device') needs an optimizer that leaves an update out on the device"
-                             f" (found_inf): {type(optimizer).__name__} here is not fused. Pass fused=True (torch's"
-                             " Adam, AdamW, SGD, Adagrad), or use decide='host'")
 
 
 def _check_args(action: Any, every_n_steps: Any, modules: Any, max_consecutive_skips: Any, spike_zscore: Any,
@@ -91,97 +60,6 @@ def _check_args(action: Any, every_n_steps: Any, modules: Any, max_consecutive_s
     if decide == "device" and spike_zscore is not None:
         raise ValueError(f"NaNDetector(decide='device') reads a step's values one step late, too late to leave a"
                          f" spike's update out: spike_zscore={spike_zscore!r} needs decide='host'")
-
-
-@dataclass
-class _Late:
-    """A checked step whose flags were left on the device (``decide="device"``), to be read at the next step."""
-
-    pending: list[MicroBatch]
-    found: HostCopy
-    step: int
-    epoch: int
-
-
-def _scaler_collapsed(trainer: pl.Trainer, pl_module: pl.LightningModule, detector: NaNDetector,
-                      pending: list[MicroBatch], scale: float) -> None:
-    """Report the GradScaler's collapse once, with where the gradients first went non-finite at this scale."""
-    ranks, resume_rng = Ranks(pl_module.device), rng_state()
-    try:
-        seen = detector._replays.first_seen(trainer, pl_module, pending, ranks, scale=scale)
-    finally:
-        set_rng_state(resume_rng)
-    origin = seen[1] if seen is not None else Origin(phase="backward", module=None)
-    cause = collapse_cause(detector._scale_watch.describe(scale), origin.module)
-    report = detector._amended(trainer, pl_module, detector._replays.new_report(
-        trainer, pending[-1].batch_idx if pending else -1, origin, cause, 0), detector.action in ("skip", "warn"))
-    detector.reports.append(report)
-    detector._log(trainer, report)
-    if detector.action == "raise":
-        raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
-    if detector.action == "stop":
-        trainer.should_stop = True
-    else:
-        warn_once(format_report(report), key=("nan", "scaler", report.origin.module), stacklevel=3)
-
-
-def _name_dead(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Name, once, the parameters and experts whose gradient stopped: a warning, a table, a scalar."""
-    watch = detector._dead
-    new = watch.newly_dead(pl_module) if watch is not None else []
-    if not new or watch is None:
-        return
-    warning = watch.warning(new)
-    if warning is not None:
-        warn_once(warning, stacklevel=3)
-    if detector._writer is not None:
-        detector._log_counters(trainer)
-        write_dead(detector._writer, watch.found, trainer.global_step)
-
-
-def _check_inputs(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                  pending: list[MicroBatch], optimizer: torch.optim.Optimizer) -> tuple[
-                      list[Tensor], list[Tensor], torch.device, Callable[[Tensor | None], Tensor] | None]:
-    """What a checked step checks, for :func:`.check.check` and :func:`.check.flags` alike.
-
-    The micro-batches' losses, the gradients (when ``check_backward``), the device, and the dead-parameter flag (when
-    watched).
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grads = [p.grad for p in params if p.grad is not None] if detector.check_backward else []
-    dead = None if detector._dead is None else functools.partial(detector._dead.flag, params, step=trainer.global_step)
-    return [m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead
-
-
-def _decide_on_device(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                      optimizer: torch.optim.Optimizer) -> None:
-    """Read the last checked step's flags (copied long ago), then leave this step's flags on the device."""
-    _settle(detector, trainer, pl_module)
-    if detector._skipper.state is not BatchState.CHECKING:
-        return
-    pending, detector._pending = detector._pending, []
-    found, _, _ = flags(*_check_inputs(detector, trainer, pl_module, pending, optimizer))
-    bad = found[:2].amax()
-    detector._skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
-    detector._skipper.restore_buffers_where(bad)
-    detector._late = _Late(pending, HostCopy(found), trainer.global_step, trainer.current_epoch)
-
-
-def _settle(detector: NaNDetector, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""
-    late, detector._late = detector._late, None
-    if late is None:
-        return
-    loss_bad, grad_bad, _, _, flagged = late.found.read()
-    if flagged > 0:
-        _name_dead(detector, trainer, pl_module)
-    if not (loss_bad > 0 or grad_bad > 0):
-        detector.consecutive_skips = 0
-        return
-    # The weights are still those the bad step ran on: its update was left out on the device.
-    with as_of_step(trainer, late.step):
-        report = detector._replays.report(trainer, pl_module, late.pending, loss_bad > 0, None)
-        detector._act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)
 
 
 class NaNDetector(OpkitCallback):
@@ -269,21 +147,32 @@ class NaNDetector(OpkitCallback):
         self.spike_zscore = None if spike_zscore is None else float(spike_zscore)
         self.spike_window = spike_window
 
-        #: every event of this run, typed; :attr:`events` is their dict view
-        self.reports: list[NaNReport] = []
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
         self._replays = Replays(check_forward, check_backward, check_loss, action)
         self._pending: list[MicroBatch] = []
         self._stepped = False  # an optimizer step was checked on ``_pending`` in this batch
         self._skipper = StepSkipper(self._patches)
-        self._repairs = Repairs()
+        self._actions = Actions(action, max_consecutive_skips, repair, self._skipper, self._log)
         self._scale_watch = ScaleWatch()
         self._spikes = Spikes(self.spike_zscore or math.inf, spike_window)
         self.dead_after = dead_after
         self._dead = DeadWatch(dead_after) if dead_after is not None else None
         self.decide = decide
-        self._late: _Late | None = None
+        self._device = DeviceDecision()
+
+    @property
+    def reports(self) -> list[NaNReport]:
+        """Every event of this run, typed; :attr:`events` is their dict view."""
+        return self._actions.reports
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps this callback left out in this run."""
+        return self._actions.skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Steps left out in a row, up to now."""
+        return self._actions.consecutive_skips
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -302,25 +191,21 @@ class NaNDetector(OpkitCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"events": self.events, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
-                "repairs": dict(self._repairs.pinned), "spikes": self._spikes.state_dict(),
+        return {**self._actions.state_dict(), "spikes": self._spikes.state_dict(),
                 "dead": self._dead.state_dict() if self._dead is not None else {}}
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        if self._late is not None:
+        if self._device.late is not None:
             # decide="device": a checkpoint between a checked step and the next carries that step's fault too (the
             # read is the checkpoint's own sync; its weights are already without the bad update)
-            _settle(self, trainer, pl_module)
+            self._settle(trainer, pl_module)
             checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.reports = [NaNReport.from_dict(e) for e in state_dict.get("events", [])]
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
-        self._repairs.pinned = dict(state_dict.get("repairs", {}))  # pinned again at the fit's start
+        self._actions.load_state_dict(state_dict)
         self._spikes.load_state_dict(state_dict.get("spikes", {}))
         if self._dead is not None:
             self._dead.load_state_dict(state_dict.get("dead", {}))
@@ -342,11 +227,8 @@ class NaNDetector(OpkitCallback):
         lines = [line]
         lines += [line for line in (self._spikes.summary_line(self.reports) if self.spike_zscore is not None else "",
                                     self._dead.summary_line() if self._dead is not None else "") if line]
-        if self._repairs.pinned:
-            lines.append("  repaired (pinned to fp32 after a precision fault, repair=True): " + ", ".join(
-                f"{path} at step {next((r.step for r in self.reports if r.repair and r.repair.startswith(path)), '-')}"
-                for path in self._repairs.pinned))
-        return lines
+        repaired = self._actions.repairs_line()
+        return lines + ([repaired] if repaired else [])
 
     # lifecycle
 
@@ -375,22 +257,22 @@ class NaNDetector(OpkitCallback):
         else:  # the user's training_step steps the schedulers itself
             self._skipper.watch_schedulers([(c.scheduler, c.scheduler.optimizer) for c in trainer.lr_scheduler_configs])
         if self.decide == "device":
-            _check_device_decision(trainer)
+            check_device_decision(trainer)
         for optimizer in trainer.optimizers:
             self._skipper.wrap_optimizer(optimizer)
         self._skipper.watch_scaler(getattr(trainer.precision_plugin, "scaler", None))
-        self._repairs.apply_all(pl_module, _pinner(trainer))  # a resumed run keeps its pins
-        facts_of(trainer).repairs.update(self._repairs.pinned)
+        self._actions.repairs.apply_all(pl_module, pinner(trainer))  # a resumed run keeps its pins
+        facts_of(trainer).repairs.update(self._actions.repairs.pinned)
 
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._pending.clear()
         self._stepped = False
-        self._late = None
+        self._device.late = None
         self._skipper.state, self._skipper.found_inf = BatchState.UNCHECKED, None
         self._skipper.watch_schedulers([])
         self._skipper.watch_scaler(None)
-        self._repairs.release()
+        self._actions.repairs.release()
 
     # the cheap per-step path: hooks -> check
 
@@ -428,23 +310,27 @@ class NaNDetector(OpkitCallback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         if self.decide == "device":
-            _decide_on_device(self, trainer, pl_module, optimizer)
+            self._settle(trainer, pl_module)  # the last checked step's flags, copied long ago
+            if self._skipper.state is BatchState.CHECKING:
+                pending, self._pending = self._pending, []
+                found, _, _ = flags(*self._inputs(trainer, pl_module, pending, optimizer))
+                self._device.leave(found, self._skipper, pending, trainer.global_step, trainer.current_epoch)
             return
         if self._skipper.state is not BatchState.CHECKING:
             return
         pending, self._stepped = list(self._pending), True
-        checked = check(*_check_inputs(self, trainer, pl_module, pending, optimizer))
+        checked = check(*self._inputs(trainer, pl_module, pending, optimizer))
         if checked.extra:
-            _name_dead(self, trainer, pl_module)
+            self._name_dead(trainer, pl_module)
         loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
         scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
         spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(*scores)
         if spiked is not None:
-            self._act(trainer, pl_module, self._replays.spike_report(trainer, pl_module, self._spikes, pending, checked,
-                                                                     spiked, optimizer))
+            report = self._replays.spike_report(trainer, pl_module, self._spikes, pending, checked, spiked, optimizer)
+            self._actions.act(trainer, pl_module, report)
             return
         if not (loss_bad or grad_bad):
-            self.consecutive_skips = 0
+            self._actions.good_step()
             self._scale_watch.healthy()
             if self._spikes.watch is not None:
                 self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, scores)
@@ -457,69 +343,42 @@ class NaNDetector(OpkitCallback):
             self._skipper.state = BatchState.SCALER_SKIP
             scale = float(scaler.get_scale())
             if self._scale_watch.skipped_step(scale):
-                _scaler_collapsed(trainer, pl_module, self, pending, scale)
+                self._actions.collapsed(trainer, pl_module, self._replays.collapse_report(
+                    trainer, pl_module, pending, scale, self._scale_watch.describe(scale)))
             return
-        self._act(trainer, pl_module, self._replays.report(trainer, pl_module, pending, loss_bad, optimizer))
+        self._actions.act(trainer, pl_module, self._replays.report(trainer, pl_module, pending, loss_bad, optimizer))
 
-    # the slow path: act
+    def _inputs(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[MicroBatch],
+                optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[Tensor], torch.device,
+                                                           Callable[[Tensor | None], Tensor] | None]:
+        """What a checked step checks (:func:`.check.check`, :func:`.check.flags`): losses, gradients, dead flag."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None] if self.check_backward else []
+        dead = None if self._dead is None else functools.partial(self._dead.flag, params, step=trainer.global_step)
+        return [m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead
 
-    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport, late: bool = False) -> None:
-        """Act on a fault; ``late``: a step late (``decide="device"``), its update already left out on the device."""
-        goes_on = self.action == "warn" or (
-            self.action == "skip" and self.consecutive_skips + 1 <= self.max_consecutive_skips)
-        report = self._amended(trainer, pl_module, report, goes_on)
-        self.reports.append(report)
-        # The buffers the bad forward wrote are put back whatever the action: a caught NonFiniteError leaves a model
-        # that still evaluates. A step late they were put back on the device; what goes back now is what the next
-        # step's forward wrote, when the run ends here.
-        if not late or not goes_on:
-            self._skipper.restore_buffers()
-        if self.action == "skip" and self.consecutive_skips + 1 > self.max_consecutive_skips:
-            self._log(trainer, report)
-            raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
-                                                f" (max_consecutive_skips={self.max_consecutive_skips}).")
-        if self.action == "raise":
-            self._log(trainer, report)
-            raise NonFiniteError(report)
-        if not late or self.action == "stop":
-            # the optimizer step itself is left out (see skip.py); a step late, with stop, the next one is: the run
-            # ends on the weights from before the bad batch
-            self._skipper.state = BatchState.SKIP_PENDING
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        self._log(trainer, report)
-        if self.action == "warn":
-            # a fault that repeats is said once; each is counted in TensorBoard and the summary
-            warn_once(format_report(report) + (" The optimizer step was skipped on the device (decide='device')."
-                                               if late else " The optimizer step was skipped."),
-                      key=("nan", report.origin.phase, report.origin.module), stacklevel=2)
-        elif self.action == "stop":
-            trainer.should_stop = True
+    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""
+        self._device.settle(trainer, pl_module, self._replays, self._actions,
+                            functools.partial(self._name_dead, trainer, pl_module))
 
-    def _amended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport,
-                 goes_on: bool) -> NaNReport:
-        """The report with what loss scaling cannot do, and the repair: made, or a pin that did not hold."""
-        path, cause = report.origin.module, report.cause
-        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None and report.kind == "non_finite"
-        repair = None
-        if path and cause is not None and path not in self._repairs.pinned and self.repair and goes_on and \
-                cause.cause == "precision":
-            repair = self._repairs.pin(pl_module, path, _pinner(trainer))
-            facts_of(trainer).repairs[path] = "fp32"
-        return amended(report, scaler=scaler, pinned_before=bool(path) and path in self._repairs.pinned and
-                       repair is None, repair=repair)
+    def _name_dead(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Name, once, the parameters and experts whose gradient stopped: a warning, a table, a scalar."""
+        if self._dead is not None and self._dead.name_new(pl_module) and self._writer is not None:
+            self._log_counters(trainer)
+            write_dead(self._writer, self._dead.found, trainer.global_step)
 
     # what gets logged where
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _settle(self, trainer, pl_module)  # the epoch's last checked step, with decide="device"
+        self._settle(trainer, pl_module)  # the epoch's last checked step, with decide="device"
         # A clean run shows flat zeros in TensorBoard rather than no NaN tags at all.
         self._log_counters(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _settle(self, trainer, pl_module)
+        self._settle(trainer, pl_module)
 
     def _log(self, trainer: pl.Trainer, report: NaNReport) -> None:
         if self._writer is not None:
@@ -529,7 +388,7 @@ class NaNDetector(OpkitCallback):
     def _log_counters(self, trainer: pl.Trainer) -> None:
         self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,
                                     "consecutive_skips": self.consecutive_skips,
-                                    "repairs": len(self._repairs.pinned),
+                                    "repairs": len(self._actions.repairs.pinned),
                                     "spikes": sum(r.kind == "spike" for r in self.reports),
                                     "dead_parameters": len(self._dead.found) if self._dead else None},
                      trainer.global_step)

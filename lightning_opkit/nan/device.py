@@ -19,7 +19,9 @@ the one from before the bad batch).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +30,11 @@ from torch import Tensor
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["HostCopy", "as_of_step", "takes_found_inf", "with_found_inf"]
+    from lightning_opkit.nan.actions import Actions
+    from lightning_opkit.nan.replays import MicroBatch, Replays
+    from lightning_opkit.nan.skip import StepSkipper
+
+__all__ = ["DeviceDecision", "HostCopy", "as_of_step", "check_device_decision", "takes_found_inf", "with_found_inf"]
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -115,3 +121,82 @@ class HostCopy:
         if self._event is not None and not self._event.query():
             self._event.synchronize()
         return self._host.tolist()
+
+
+def check_device_decision(trainer: pl.Trainer) -> None:
+    """``decide="device"`` needs optimizers that take ``found_inf``, and no GradScaler of its own deciding skips."""
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError("NaNDetector(decide='device') cannot share the optimizer's found_inf with this run's"
+                         f" GradScaler (precision={trainer.precision!r}): use decide='host', or bf16")
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError("NaNDetector(decide='device') needs automatic optimization (it hands the optimizer step its"
+                         " found_inf): this LightningModule optimizes manually; use decide='host'")
+    for optimizer in trainer.optimizers:
+        if not takes_found_inf(optimizer):
+            raise ValueError(f"NaNDetector(decide='device') needs an optimizer that leaves an update out on the device"
+                             f" (found_inf): {type(optimizer).__name__} here is not fused. Pass fused=True (torch's"
+                             " Adam, AdamW, SGD, Adagrad), or use decide='host'")
+
+
+@dataclass
+class _Late:
+    """A checked step whose flags were left on the device, to be read at the next step."""
+
+    pending: list[MicroBatch]
+    found: HostCopy
+    step: int
+    epoch: int
+
+
+class DeviceDecision:
+    """``decide="device"``: a checked step's flags left on the device now, read and acted on a step later.
+
+    Example:
+        >>> decision = DeviceDecision()
+        >>> decision.late is None
+        True
+    """
+
+    def __init__(self) -> None:
+        #: the checked step not read yet
+        self.late: _Late | None = None
+
+    def leave(self, found: Tensor, skipper: StepSkipper, pending: list[MicroBatch], step: int, epoch: int) -> None:
+        """Hand this step's flags to the optimizer's ``found_inf`` and the buffers' restore, and copy them to the host.
+
+        Args:
+            found: the check's flags (:func:`~lightning_opkit.nan.check.flags`), on the device.
+            skipper: the detector's step skipper.
+            pending: the step's micro-batches (a replay's, if the step turns out bad).
+            step: the global step.
+            epoch: the epoch.
+        """
+        bad = found[:2].amax()
+        skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
+        skipper.restore_buffers_where(bad)
+        self.late = _Late(pending, HostCopy(found), step, epoch)
+
+    def settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, replays: Replays, actions: Actions,
+               name_dead: Callable[[], None]) -> None:
+        """Read the step left on the device, if any; report and act on its fault, as of its step.
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the LightningModule.
+            replays: the detector's replays (the report).
+            actions: the detector's actions (what is done about it).
+            name_dead: names the parameters the step found without a gradient.
+        """
+        late, self.late = self.late, None
+        if late is None:
+            return
+        loss_bad, grad_bad, _, _, flagged = late.found.read()
+        if flagged > 0:
+            name_dead()
+        if not (loss_bad > 0 or grad_bad > 0):
+            actions.good_step()
+            return
+        # The weights are still those the bad step ran on: its update was left out on the device.
+        with as_of_step(trainer, late.step):
+            report = replays.report(trainer, pl_module, late.pending, loss_bad > 0, None)
+            actions.act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)

@@ -28,6 +28,7 @@ from lightning_opkit.nan.cause import diagnose
 from lightning_opkit.nan.check import Checked, bad_gradient_shard
 from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.report import SHARD_ONLY, Cause, NaNReport, Origin, not_reproduced
+from lightning_opkit.nan.scaler import collapse_cause
 from lightning_opkit.nan.spike_report import SpikeCase, Spikes, investigate, top_jumps
 
 __all__ = ["MicroBatch", "Replays", "from_rank", "ran_compiled"]
@@ -140,6 +141,26 @@ class Replays:
                 culprit = min(seen)[1]  # the rank that saw it first in the step, the lowest rank on a tie
                 return micro, origins[culprit], culprit
         return None
+
+    def collapse_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[MicroBatch],
+                        scale: float, collapse: str) -> NaNReport:
+        """A GradScaler's collapse: where the gradients first went non-finite at ``scale`` (a backward replay).
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the LightningModule.
+            pending: the step's micro-batches.
+            scale: the GradScaler's scale now.
+            collapse: the collapse in words (:meth:`~lightning_opkit.nan.scaler.ScaleWatch.describe`).
+        """
+        ranks, resume_rng = Ranks(pl_module.device), rng_state()
+        try:
+            seen = self.first_seen(trainer, pl_module, pending, ranks, scale=scale)
+        finally:
+            set_rng_state(resume_rng)
+        origin = seen[1] if seen is not None else Origin(phase="backward", module=None)
+        return self.new_report(trainer, pending[-1].batch_idx if pending else -1, origin,
+                               collapse_cause(collapse, origin.module), 0)
 
     def new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
                    rank: int) -> NaNReport:

@@ -9,7 +9,7 @@ How a step runs:
 - :mod:`.function_mode`: the ``TorchFunctionMode`` that casts each op's inputs to its class's (or its module's)
   dtype; :mod:`.dtypes` names the dtypes and what the hardware offers.
 - :mod:`.census`: on census steps, what ran in which dtype, its error against fp32 recomputes, underflow, headroom;
-  :mod:`.report` shows it (TensorBoard, the run summary).
+  :mod:`.view` shows it (TensorBoard, the run summary).
 
 How ``rules="auto"`` decides (:mod:`.auto` runs these in order, every rank taking rank zero's decision):
 

@@ -42,9 +42,9 @@ from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_o
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
 from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
-from lightning_opkit.precision.report import ASIDE, policy_markdown, summary_lines, write_census
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
+from lightning_opkit.precision.view import ASIDE, policy_markdown, summary_lines, write_census
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
 

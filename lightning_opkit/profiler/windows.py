@@ -34,7 +34,7 @@ from lightning_opkit.profiler.log import log_window, traces_line
 from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
 from lightning_opkit.profiler.memory_log import log_memory, memory_summary, out_of_memory_lines
 from lightning_opkit.profiler.memory_snapshot import Snapshot, out_of_memory
-from lightning_opkit.profiler.report import WindowReport, peak_cpu_memory, summarize
+from lightning_opkit.profiler.op_times import WindowReport, peak_cpu_memory, summarize
 from lightning_opkit.profiler.roofline.layout_speed import conv_layout
 from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report

@@ -8,14 +8,10 @@ in fp32; fusion only where the class is memory-bound and nothing is compiled yet
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lightning_opkit.core.facts import FASTER
 from lightning_opkit.opclass import GEMM_CLASSES
+from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.work import ClassRoofline
-
-if TYPE_CHECKING:
-    from lightning_opkit.profiler.roofline.report import RooflineReport
 
 __all__ = ["block_glob", "layout_lever", "lever", "precision_lever"]
 

@@ -13,7 +13,6 @@ from lightning_opkit.core.facts import RunFacts
 from lightning_opkit.opclass import GEMM_CLASSES
 from lightning_opkit.profiler.roofline.gemm_speed import gemm_speed
 from lightning_opkit.profiler.roofline.layout_speed import conv_layout_speed
-from lightning_opkit.profiler.roofline.levers import lever
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
 from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
 
@@ -77,10 +76,6 @@ class RooflineReport:
         """The class with the most time above its roof (communication and classes with no work of their own apart)."""
         rows = [r for c, r in self.rows.items() if c != "communication" and r.seconds > 0 and r.calls]
         return max(rows, key=lambda r: r.lost_seconds(self.peaks), default=None)
-
-    def lever(self, row: ClassRoofline) -> str:
-        """The lever for ``row``, in words (see :func:`lever`)."""
-        return lever(row, self)
 
 
 def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, communication_seconds: float = 0.0,

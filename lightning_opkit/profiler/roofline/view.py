@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
+from lightning_opkit.profiler.roofline.levers import lever
 from lightning_opkit.profiler.roofline.plot import roofline_figure
 from lightning_opkit.profiler.roofline.report import RooflineReport
 
@@ -22,7 +23,7 @@ def roofline_table(report: RooflineReport) -> str:
     rows, levers = [], []
     for row in sorted(report.rows.values(), key=lambda r: -(r.seconds + r.unknown_seconds)):
         ms = 1e3 * (row.seconds + row.unknown_seconds) / steps
-        levers.append(f"- **{row.op_class}** ({ms:.3f} ms / step): {report.lever(row)}")
+        levers.append(f"- **{row.op_class}** ({ms:.3f} ms / step): {lever(row, report)}")
         if row.op_class == "communication":
             rows.append([row.op_class, "-", ms, "-", row.bytes / 1e6 / steps, "-", "-", row.gbps, "-", "-", "link"])
             continue
@@ -60,7 +61,7 @@ def summary_lines(report: RooflineReport) -> list[str]:
     if worst is not None:
         kind, pct = worst.bound(report.peaks)
         lines.append(f"  most time above its roof: {worst.op_class} ({1e3 * worst.seconds / report.steps:.3f} ms /"
-                     f" step, {kind}-bound at {pct:.0f}% of its roof): {report.lever(worst)}")
+                     f" step, {kind}-bound at {pct:.0f}% of its roof): {lever(worst, report)}")
     return lines
 
 

@@ -20,7 +20,7 @@ from lightning_opkit.opclass import (
     fused_kernel_ops,
     is_framework_event,
 )
-from lightning_opkit.profiler.report import on_device, window_events
+from lightning_opkit.profiler.op_times import on_device, window_events
 from lightning_opkit.profiler.roofline.peaks import Peaks
 
 __all__ = ["ClassRoofline", "class_rooflines"]
