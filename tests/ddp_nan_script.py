@@ -1,4 +1,4 @@
-"""Run by test_nan.py: 2-process CPU DDP (gloo) where only rank 1 produces a NaN at step 3.
+"""Run by nan/test_detector.py: 2-process CPU DDP (gloo) where only rank 1 produces a NaN at step 3.
 
 Arguments: the output folder, the action, and optionally ``decide`` (``"device"``: a fused AdamW).
 """

@@ -1,4 +1,4 @@
-"""Run by test_repair.py: 2-process CPU DDP (gloo) under fp16 autocast with a GradScaler, a fp16 forward overflow."""
+"""Run by nan/test_repair.py: 2-process CPU DDP (gloo), fp16 autocast with a GradScaler, a fp16 forward overflow."""
 
 import json
 import math
@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from test_repair import Losses, _overflowing  # noqa: E402
+from nan.test_repair import Losses, _overflowing  # noqa: E402
 
 from lightning_opkit import NaNDetector  # noqa: E402
 

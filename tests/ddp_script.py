@@ -9,8 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from compile.test_torch_compile import Blocks  # noqa: E402
 from helpers import make_loader  # noqa: E402
-from test_compile import Blocks  # noqa: E402
 
 from lightning_opkit import ProfilerWindows, TorchCompile  # noqa: E402
 from lightning_opkit.profiler.roofline.levers import lever  # noqa: E402

@@ -1,4 +1,4 @@
-"""Run by test_spikes.py: 2 CPU processes (gloo), DDP or FSDP2; only rank 1's batch at one step is random tokens."""
+"""Run by nan/test_spike_report.py: 2 CPU processes (gloo), DDP or FSDP2; one step, rank 1 gets random tokens."""
 
 import json
 import os
@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from test_spikes import FAULT_STEP, Losses, Steady, _loader, _pattern  # noqa: E402
+from nan.test_spike_report import FAULT_STEP, Losses, Steady, _loader, _pattern  # noqa: E402
 from zoo import CASES, SEQ, VOCAB  # noqa: E402
 
 from lightning_opkit import NaNDetector  # noqa: E402

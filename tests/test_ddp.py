@@ -1,4 +1,4 @@
-"""Real 2-process CPU DDP (gloo) runs of ProfilerWindows and TorchCompile (NaNDetector's are in test_nan.py)."""
+"""Real 2-process CPU DDP (gloo) runs of ProfilerWindows and TorchCompile (NaNDetector's: nan/test_detector.py)."""
 
 import json
 import os

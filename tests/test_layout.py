@@ -194,3 +194,34 @@ def test_the_nan_path_in_the_architecture_page_names_files_that_exist_and_few_of
                 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
                 for m in [node.module] if m.startswith("lightning_opkit.nan.")}
     assert set(steps) - {"nan/detector.py"} <= imported
+
+
+#: the suite's files that test a scenario across the package rather than one module, each named for its scenario
+SCENARIOS = {"test_benchmarks", "test_contract", "test_ddp", "test_docs", "test_example", "test_garbage",
+             "test_gpu_paths", "test_layout", "test_moe", "test_readme", "test_regressions", "test_sharded", "test_zoo",
+             "test_matrix"}
+
+
+def _unnamed_tests():
+    """Test files not importing the module they are named for (tests/<area>/test_<m>.py: lightning_opkit.<area>.<m>)."""
+    tests = pathlib.Path(__file__).parent
+    for path in sorted(tests.rglob("test_*.py")):
+        parts = path.relative_to(tests).parts
+        if parts[0] in ("zoo", "matrix") or (len(parts) == 1 and path.stem in SCENARIOS) or \
+                (parts[0] == "matrix" and path.stem in SCENARIOS):
+            continue
+        target = ".".join(["lightning_opkit", *parts[:-1], path.stem.removeprefix("test_")])
+        froms = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module]
+        imported = {n.module for n in froms} | {f"{n.module}.{a.name}" for n in froms for a in n.names}
+        if not any(m == target or m.startswith(target + ".") for m in imported):
+            yield str(path.relative_to(tests))
+
+
+def test_the_tests_mirror_the_package_and_each_file_imports_the_module_it_is_named_for():
+    tests = pathlib.Path(__file__).parent
+    areas = {p.name for p in tests.iterdir() if p.is_dir() and (p / "__init__.py").exists() and p.name != "zoo"}
+    assert areas == set(FEATURES) | {"core"}
+    assert not list(_unnamed_tests())
+    # nothing at the top but scenarios and the top-level modules' own
+    top = {p.stem for p in tests.glob("test_*.py")}
+    assert top - SCENARIOS == {"test_opclass"}

@@ -27,7 +27,7 @@ def is_first(trainer: pl.Trainer, callback: Any) -> bool:
 def merged_layout(trainer: pl.Trainer) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout of every opkit callback of ``trainer``: each contributes its own categories.
 
-    A chart two callbacks both contribute (step time: the profiler's and the compiler's) shows every tag either names.
+    A chart two callbacks both contribute (the same category and title) shows every tag either names.
 
     Example:
         >>> merged_layout(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False))

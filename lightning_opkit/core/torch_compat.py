@@ -1,7 +1,7 @@
 """The torch APIs that differ between the supported releases, each behind one name here.
 
 opkit supports torch 2.9 through 2.15. Where a release renamed, added or changed an API opkit calls, the difference is
-handled here and nowhere else; ``tests/test_torch_api.py`` checks every name on the running release.
+handled here and nowhere else; ``tests/core/test_torch_compat.py`` checks every name on the running release.
 """
 
 from __future__ import annotations

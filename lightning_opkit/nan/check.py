@@ -44,7 +44,7 @@ class Checked:
             scored on, and what enters the window if the step is good.
         local: this rank's own log-loss and log-gradient-norm (on the device; read only after a spike).
         norms: this rank's per-gradient norms (on the device), in ``grads`` order.
-        extra: the ``extra`` flag was set on some rank.
+        dead: the ``dead`` flag was set on some rank: a watched parameter went without a gradient long enough.
     """
 
     loss_bad: bool
@@ -52,11 +52,11 @@ class Checked:
     values: tuple[float, float] = (0.0, 0.0)
     local: Tensor | None = None
     norms: Tensor | None = None
-    extra: bool = False
+    dead: bool = False
 
 
 def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
-          extra: Callable[[Tensor | None], Tensor] | None = None) -> Checked:
+          dead: Callable[[Tensor | None], Tensor] | None = None) -> Checked:
     """The checked step's one collective and one sync: non-finite flags, and the values spikes are scored on.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
@@ -67,27 +67,27 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         losses: the step's (micro-batch) losses, detached.
         grads: the gradients to check; empty to check none.
         device: where to compute the flags when there is nothing to check.
-        extra: one more flag from the per-gradient norms (a 1-element tensor on the device), reduced and read with
-            the others.
+        dead: the dead-parameter flag from the per-gradient norms (a 1-element tensor on the device,
+            :meth:`~lightning_opkit.nan.dead.DeadWatch.flag`), reduced and read with the others.
 
     Example:
         >>> checked = check([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
         >>> checked.loss_bad, checked.grad_bad
         (False, True)
     """
-    found, own, norms = flags(losses, grads, device, extra)
+    found, own, norms = flags(losses, grads, device, dead)
     loss_bad, grad_bad, loss_value, grad_value, flagged = found.tolist()  # the one host sync of a checked step
     grad_bad = grad_bad > 0 and _exactly_non_finite([g for g in (local(g) for g in grads) if not g.is_sparse])
     return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms, flagged > 0)
 
 
 def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
-          extra: Callable[[Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+          dead: Callable[[Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`check`'s reduction, left on the device: nothing is read on the host.
 
     Returns:
         ``found`` (5 floats, their maximum over ranks: loss non-finite, a gradient norm non-finite, log-loss,
-        log-gradient-norm, the ``extra`` flag), this rank's own log-loss and log-gradient-norm, and its per-gradient
+        log-gradient-norm, the ``dead`` flag), this rank's own log-loss and log-gradient-norm, and its per-gradient
         norms.
 
     Example:
@@ -109,7 +109,7 @@ def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     bad = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
     grad_norm = norms.square().sum().sqrt() if norms is not None else zero
     own = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
-    more = extra(norms).to(device) if extra is not None else zero.reshape(1)
+    more = dead(norms).to(device) if dead is not None else zero.reshape(1)
     found = _any_rank(torch.cat([torch.stack(bad).float(), own, more]))  # a copy: ``own`` stays this rank's
     return found, own, norms
 

@@ -320,7 +320,7 @@ class NaNDetector(OpkitCallback):
             return
         pending, self._stepped = list(self._pending), True
         checked = check(*self._inputs(trainer, pl_module, pending, optimizer))
-        if checked.extra:
+        if checked.dead:
             self._name_dead(trainer, pl_module)
         loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
         scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)

@@ -69,8 +69,10 @@ class Repairs:
         if pinner is not None:
             pinner.pin(path, module, "fp32")
         else:
+            # a weightless culprit (an activation, a softmax) in a 16-bit model hands on in 16 bits too: the next
+            # module's weights are 16-bit, and would refuse fp32 inputs
             low = has_low_weights(module)
-            hold_fp32(self._patches, module, weights=low, cast_back=low)
+            hold_fp32(self._patches, module, weights=low, cast_back=low or has_low_weights(model))
         self._applied.add(path)
 
     def release(self) -> None:

@@ -234,7 +234,7 @@ def _predicted(table: dict[str, str], speeds: dict[tuple[str, str], Measurement]
     total = 0.0
     for cls, name in table.items():
         row = speeds.get((cls, name))
-        ratio = row.speed if row is not None and row.speed is not None and not row.failed else 1.0
+        ratio = row.time_ratio if row is not None and row.time_ratio is not None and not row.failed else 1.0
         total += fp32_ms.get(cls, default) * ratio
     return total
 

@@ -37,12 +37,12 @@ def _verdict(row: Measurement, tolerance: float, min_speedup: float, total_ms: f
     """Why ``row``'s dtype cannot be chosen, or ``None`` if it can."""
     if row.failed:
         return f"{row.dtype} failed ({row.failed})"
-    if row.speed is None:
+    if row.time_ratio is None:
         return f"{row.dtype} speed not measured"
-    if row.speed * min_speedup > 1:
+    if row.time_ratio * min_speedup > 1:
         return f"{row.dtype} is {speed_phrase(row)} (needs {min_speedup:.2f}x faster)"
-    if row.fp32_ms is not None and total_ms > 0 and row.fp32_ms * (1 - row.speed) < MIN_SAVING * total_ms:
-        saved = row.fp32_ms * (1 - row.speed)
+    if row.fp32_ms is not None and total_ms > 0 and row.fp32_ms * (1 - row.time_ratio) < MIN_SAVING * total_ms:
+        saved = row.fp32_ms * (1 - row.time_ratio)
         return (f"{row.dtype} is {speed_phrase(row)} but would save {saved:.3f} of {total_ms:.2f} ms per step"
                 f" (< {MIN_SAVING:.0%})")
     if row.loss_change is None or row.grad_cosine is None:
@@ -75,8 +75,8 @@ def decide(
             was measured (the whole-step tables are then judged on error as a whole).
 
     Example:
-        >>> rows = [Measurement("matmul", "bf16", speed=11.2, loss_change=1e-3, grad_cosine=0.9999),
-        ...         Measurement("conv", "bf16", speed=0.4, loss_change=1e-3, grad_cosine=0.9999)]
+        >>> rows = [Measurement("matmul", "bf16", time_ratio=11.2, loss_change=1e-3, grad_cosine=0.9999),
+        ...         Measurement("conv", "bf16", time_ratio=0.4, loss_change=1e-3, grad_cosine=0.9999)]
         >>> {c: d.dtype for c, d in decide(rows).items()}
         {'matmul': 'fp32', 'conv': 'bf16'}
     """
@@ -91,7 +91,7 @@ def decide(
         refused = {r.dtype: _verdict(r, tolerance, min_speedup, total_ms, require_errors) for r in rows}
         good = [r for r in rows if refused[r.dtype] is None]
         if good:
-            best = min(good, key=lambda r: r.speed)  # type: ignore[arg-type, return-value]
+            best = min(good, key=lambda r: r.time_ratio)  # type: ignore[arg-type, return-value]
             reason = f"{speed_phrase(best)} than fp32"
             if best.loss_change is not None and best.grad_cosine is not None:
                 reason += f", loss change {best.loss_change:.2e}, grad cosine {best.grad_cosine:.5f}"

@@ -156,5 +156,5 @@ def time_classes(log: OpLog, device: torch.device, names: Sequence[str], classes
                 row.failed = describe_error(err, 120)
                 continue
             fp32_time = sum(t[torch.float32] * log.counts[k] for t, k in zip(pairs, chosen))
-            row.speed = sum(t[dtype] * log.counts[k] for t, k in zip(pairs, chosen)) / max(fp32_time, 1e-12)
+            row.time_ratio = sum(t[dtype] * log.counts[k] for t, k in zip(pairs, chosen)) / max(fp32_time, 1e-12)
     return rows

@@ -338,10 +338,10 @@ class PrecisionPolicy(OpkitCallback):
         source = ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") + \
             f" at step {self._measured_at}"
         for row in measured:
-            if row.speed is not None and not row.failed:
+            if row.time_ratio is not None and not row.failed:
                 facts.speeds[(row.op_class, row.dtype)] = SpeedFact(
-                    row.op_class, row.dtype, row.speed, "this model's ops at the shapes of its first training step,"
-                    " forward + backward, input casts included", source)
+                    row.op_class, row.dtype, row.time_ratio, "this model's ops at the shapes of its first training"
+                    " step, forward + backward, input casts included", source)
 
     # the decision kept across a resume
 

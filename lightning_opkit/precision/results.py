@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from lightning_opkit.core.deprecations import OpkitDeprecationWarning
 from lightning_opkit.core.text import markdown_table, times_phrase
 from lightning_opkit.opclass import OP_CLASSES
 
@@ -19,8 +21,8 @@ class Measurement:
     Args:
         op_class: the op class.
         dtype: ``"bf16"`` or ``"fp16"``.
-        speed: time in ``dtype`` / time in fp32, forward + backward with input casts (below 1 = faster);
-            ``None`` if not measured.
+        time_ratio: time in ``dtype`` / time in fp32, forward + backward with input casts (below 1 = faster, 2.0 =
+            twice as slow); ``None`` if not measured. (Was ``speed``, read-only now, deprecated.)
         rel_error: ``||out - ref|| / ||ref||`` of the class's outputs against fp32 recomputes of the same ops.
         loss_change: ``|loss - loss_fp32| / |loss_fp32|`` with this class alone in ``dtype``.
         grad_cosine: cosine similarity of all parameter gradients to the fp32 gradients.
@@ -31,13 +33,21 @@ class Measurement:
 
     op_class: str
     dtype: str
-    speed: float | None = None
+    time_ratio: float | None = None
     rel_error: float | None = None
     loss_change: float | None = None
     grad_cosine: float | None = None
     fp32_ms: float | None = None
     calls: int = 0
     failed: str | None = None
+
+    @property
+    def speed(self) -> float | None:
+        """Deprecated: :attr:`time_ratio` (a time ratio: above 1 is slower, which ``speed`` did not say)."""
+        warnings.warn("Measurement.speed is deprecated and will be removed in the next release: use"
+                      " Measurement.time_ratio (the same value: time in the dtype / time in fp32)",
+                      OpkitDeprecationWarning, stacklevel=2)
+        return self.time_ratio
 
 
 @dataclass
@@ -97,6 +107,6 @@ def speed_phrase(row: Measurement) -> str:
     """``"11.2x slower"`` or ``"1.8x faster"`` for a measured row (``"-"`` if not measured)."""
     if row.failed:
         return f"failed: {row.failed}"
-    if row.speed is None:
+    if row.time_ratio is None:
         return "-"
-    return times_phrase(row.speed)
+    return times_phrase(row.time_ratio)

@@ -48,10 +48,10 @@ def check_speed(log: OpLog, device: torch.device, table: dict[str, str]) -> Prec
     rows = [r for r in rows if r.dtype == table[r.op_class]]
     measurements = PrecisionMeasurements(rows, describe_device(device), seconds=time.perf_counter() - began,
                                          notes=notes)
-    slow = [r for r in measurements if r.speed is not None and r.speed > MIN_SPEEDUP]
+    slow = [r for r in measurements if r.time_ratio is not None and r.time_ratio > MIN_SPEEDUP]
     if slow:
         parts = []
-        for r in sorted(slow, key=lambda r: -(r.speed or 0.0)):
+        for r in sorted(slow, key=lambda r: -(r.time_ratio or 0.0)):
             note = hardware_note(device, r.dtype)
             parts.append(f"{r.dtype} {r.op_class} is {speed_phrase(r)} than fp32" + (f" ({note})" if note else ""))
         warn_once(

@@ -1,0 +1,1 @@
+"""Tests of lightning_opkit/nan/ (NaNDetector): one file a module, named after it."""

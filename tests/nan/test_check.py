@@ -1,0 +1,35 @@
+"""The one cheap check (nan/check.py): flags for the loss and every gradient from one fused reduction, the values a
+spike is scored on, and a non-finite norm from finite but huge gradients told apart from a real NaN/Inf."""
+
+import math
+
+import torch
+
+from lightning_opkit.nan.check import all_finite, check, flags
+
+
+def test_a_finite_step_flags_nothing_and_hands_on_its_log_values():
+    grads = [torch.full((3,), 3.0), torch.full((4,), 4.0)]
+    checked = check([torch.tensor(2.0), torch.tensor(4.0)], grads, torch.device("cpu"))
+    assert (checked.loss_bad, checked.grad_bad, checked.dead) == (False, False, False)
+    assert math.isclose(checked.values[0], math.log1p(3.0), rel_tol=1e-6)  # the micro-batches' mean loss, through log1p
+    assert math.isclose(checked.values[1], math.log(math.sqrt(9 * 3 + 16 * 4)), rel_tol=1e-6)
+    assert checked.norms.tolist() == [torch.tensor(27.0).sqrt().item(), 8.0]
+
+
+def test_a_nan_loss_and_an_inf_gradient_are_each_flagged():
+    checked = check([torch.tensor(float("nan"))], [torch.tensor([1.0, float("inf")])], torch.device("cpu"))
+    assert checked.loss_bad
+    assert checked.grad_bad
+
+
+def test_a_finite_gradient_whose_norm_overflows_is_not_a_fault():
+    big = torch.full((8,), 60000.0, dtype=torch.half)  # fp16 gradients whose norm passes 65504: finite all the same
+    assert not check([torch.tensor(1.0)], [big], torch.device("cpu")).grad_bad
+    found, _, _ = flags([], [big], torch.device("cpu"))
+    assert found[:2].tolist() == [0.0, 0.0]  # the norm is taken in fp32
+
+
+def test_all_finite_over_tensors_of_several_dtypes():
+    assert bool(all_finite([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)]))
+    assert not bool(all_finite([torch.ones(2), torch.tensor([float("-inf")], dtype=torch.half)]))
