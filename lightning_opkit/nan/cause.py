@@ -14,14 +14,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_opkit.core.fp32 import in_fp32
+from lightning_opkit.core.fp32 import has_low_weights, in_fp32
 from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import run_step, set_rng_state
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.report import Cause, Origin, not_reproduced
 
-__all__ = ["diagnose"]
+__all__ = ["diagnose", "replay_in"]
 
 #: ``(autocast on?) -> compute_loss``: the step's loss, replayed on the micro-batch
 StepLoss = Callable[[bool], Callable[[], Tensor | None]]
@@ -65,33 +65,62 @@ def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, nam
 
 def _non_finite_again(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin,
                       culprit: nn.Module | None, policies: list[Any], fp32: bool) -> tuple[bool, str | None]:
-    """Replay the micro-batch (the culprit, else the whole step, in fp32 if asked).
+    """Replay the micro-batch (the culprit, else the whole step, in fp32 if asked): :func:`replay_in`.
 
     Returns ``(fault there again?, why the replay failed or None)``.
     """
-    set_rng_state(rng)
-    compute_loss = step_loss(not (fp32 and culprit is None))
     outputs: list[Tensor] = []
-    with contextlib.ExitStack() as stack:
-        if culprit is not None and found.phase == "forward":
-            # After the module's own forward hooks (the localization saw the output they hand on, which a user's
-            # hook may change) and before the fp32 region's, which casts it back for the next modules.
-            handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(local_floats(out)))
-            stack.callback(handle.remove)
-        if fp32:
-            for policy in policies:
-                stack.enter_context(policy.running_in(culprit, "fp32"))
-            if culprit is not None:
-                # its own 16-bit weights too, where no policy does that; outputs on in the dtype the next modules take
-                stack.enter_context(in_fp32(culprit, weights=not policies, cast_back=True))
-        try:
-            loss, grads = run_step(model, compute_loss, backward=found.phase == "backward")
-        except Exception as err:  # the step failing in a replay: the fault can be neither seen nor ruled out
-            warn_once(f"NaNDetector: a cause replay failed ({describe_error(err)})", key=("nan", "cause replay failed"),
-                      stacklevel=3)
-            return True, describe_error(err)
+    handle = None
+    if culprit is not None and found.phase == "forward":
+        # registered before the fp32 region's hooks: after the module's own forward hooks (the localization saw the
+        # output they hand on, which a user's hook may change) and before the cast back for the next modules
+        handle = culprit.register_forward_hook(lambda m, a, out: outputs.extend(local_floats(out)))
+    try:
+        loss, grads = replay_in(step_loss, model, rng, culprit, policies, fp32=fp32,
+                                backward=found.phase == "backward")
+    except Exception as err:  # the step failing in a replay: the fault can be neither seen nor ruled out
+        warn_once(f"NaNDetector: a cause replay failed ({describe_error(err)})", key=("nan", "cause replay failed"),
+                  stacklevel=3)
+        return True, describe_error(err)
+    finally:
+        if handle is not None:
+            handle.remove()
     if found.phase == "forward" and culprit is not None:
         return not all(bool(t.isfinite().all()) for t in outputs), None
     if found.phase == "backward":
         return not all(bool(g.isfinite().all()) for g in grads if g is not None), None
     return loss is not None and not bool(loss.float().isfinite().all()), None
+
+
+def replay_in(step_loss: StepLoss, model: nn.Module, rng: Any, culprit: nn.Module | None, policies: list[Any], *,
+              fp32: bool, backward: bool) -> tuple[Tensor | None, list[Tensor | None]]:
+    """Replay a micro-batch from ``rng``, with ``culprit`` in fp32 (``None``: the whole step), or as it ran.
+
+    The one replay NaN faults and spikes are both diagnosed by. In fp32: through every attached policy
+    (``running_in``), and the culprit's own 16-bit weights where no policy runs it (its outputs handed on in the dtype
+    the next modules take); the whole step without autocast, and, with 16-bit weights, every top module on fp32
+    copies of them. Hooks a caller registered on the culprit before this call run before the fp32 region's.
+
+    Args:
+        step_loss: builds the replayed step's loss (``autocast on?``).
+        model: the LightningModule.
+        rng: the RNG state the micro-batch started from.
+        culprit: the module to run in fp32, or ``None`` for the whole step.
+        policies: the attached precision policies.
+        fp32: run the culprit (or the step) in fp32; ``False``: as the step ran.
+        backward: compute the gradients too.
+
+    Returns:
+        The loss and the gradients, as :func:`~lightning_opkit.core.replay.run_step` returns them.
+    """
+    set_rng_state(rng)
+    with contextlib.ExitStack() as stack:
+        if fp32:
+            for policy in policies:
+                stack.enter_context(policy.running_in(culprit, "fp32"))
+            if culprit is not None:
+                stack.enter_context(in_fp32(culprit, weights=not policies, cast_back=True))
+            elif has_low_weights(model):  # 16-bit weights: every top module computes on fp32 copies
+                for child in model.children():
+                    stack.enter_context(in_fp32(child, weights=True, cast_back=False))
+        return run_step(model, step_loss(not (fp32 and culprit is None)), backward=backward)

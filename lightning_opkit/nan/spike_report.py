@@ -16,7 +16,6 @@ rank builds the same report.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -26,8 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_opkit.core.fp32 import has_low_weights, in_fp32
-from lightning_opkit.core.replay import run_step, set_rng_state
+from lightning_opkit.nan.cause import replay_in
 from lightning_opkit.nan.report import Cause, Origin
 from lightning_opkit.nan.spike import DEPARTS, SpikeWatch, departures, log_loss
 
@@ -122,18 +120,8 @@ def scored_again(case: SpikeCase, watch: SpikeWatch, policies: list[Any], culpri
         culprit: the module to run in fp32 (``None``: the whole step).
         fp32: run it in fp32 (else as the step ran).
     """
-    set_rng_state(case.rng)
-    with contextlib.ExitStack() as stack:
-        if fp32:
-            for policy in policies:
-                stack.enter_context(policy.running_in(culprit, "fp32"))
-            if culprit is not None:
-                stack.enter_context(in_fp32(culprit, weights=not policies, cast_back=True))
-            elif has_low_weights(case.model):  # 16-bit weights: every top module computes on fp32 copies
-                for child in case.model.children():
-                    stack.enter_context(in_fp32(child, weights=True, cast_back=False))
-        loss, grads = run_step(case.model, case.step_loss(not (fp32 and culprit is None)),
-                               backward=case.kind == "gradient")
+    loss, grads = replay_in(case.step_loss, case.model, case.rng, culprit, policies, fp32=fp32,
+                            backward=case.kind == "gradient")
     if loss is None:
         return 0.0
     norms = [g.float().norm() for g in grads if g is not None]

@@ -192,3 +192,14 @@ def test_diagnose_without_a_trainer_tells_precision_from_data_or_model(culprit, 
     assert ("batch 7" in got.advice) == (cause == "data_or_model")
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # the fp32 run undone
     assert model[1].weight.dtype == torch.half
+
+
+def test_a_whole_step_with_16_bit_weights_is_replayed_on_fp32_copies_as_a_spike_s_is():
+    # the one replay NaN faults and spikes share (replay_in): with no culprit module, every top module in fp32
+    model = nn.Sequential(_Overflows(), nn.Linear(4, 1)).half()
+    x = torch.ones(2, 4, dtype=torch.half)
+    got = diagnose(lambda autocast: lambda: model(x).float().sum(), model, rng_state(),
+                   Origin(phase="loss", module=""), dict(model.named_modules()), policies=[], batch_idx=0)
+    assert got.cause == "precision"
+    assert "precision='32-true'" in got.advice
+    assert model[1].weight.dtype == torch.half
