@@ -23,7 +23,7 @@ from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
-from lightning_opkit.core.timing import StepClock
+from lightning_opkit.core.trial import WARMUP, Trial
 from lightning_opkit.opclass import OP_CLASSES
 
 __all__ = ["ActivationCheckpointing", "Price"]
@@ -68,8 +68,8 @@ class ActivationCheckpointing(OpkitCallback):
     torchtitan does) and only the rest is recomputed. The recompute runs in the forward's dtypes (autocast and an
     attached PrecisionPolicy's), with the same RNG state, so losses and gradients are those of the run without it.
 
-    With ``measure``, a few steps early in the fit (from the fourth) alternate without and with checkpointing (every
-    rank alike) and the activation bytes autograd saves and the step times are compared: that is the price. The steps
+    With ``measure``, a few steps early in the fit (from the fourth) take turns with and without checkpointing (every
+    rank alike; :class:`~lightning_opkit.core.trial.Trial`) and the activation bytes autograd saves and the step times are compared: that is the price. The steps
     without it need the memory checkpointing frees: leave ``measure=False`` where they would not fit.
 
     Args:
@@ -78,7 +78,7 @@ class ActivationCheckpointing(OpkitCallback):
         save: operator classes whose outputs are kept (selective checkpointing); ``None``: keep only the blocks'
             inputs.
         measure: measure the bytes saved and the time it costs, once.
-        measure_steps: steps with and as many without checkpointing, alternating, after three warm-up steps (the
+        measure_steps: steps with and as many without checkpointing, taking turns, after three warm-up steps (the
             first steps compile, and measure what other callbacks measure).
         enabled: attach the callback; ``False`` (or its area, ``checkpointing``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
@@ -120,11 +120,11 @@ class ActivationCheckpointing(OpkitCallback):
         self.untraced: list[str] = []
         self._regions: list[CheckpointedForward] = []
         self._found: list[tuple[str, torch.nn.Module]] = []
-        self._clock = StepClock()
+        self._trial: Trial | None = None
         self._saved: SavedBytes | None = None
         self._counting: Any = None
-        self._samples: dict[bool, list[tuple[int, float]]] = {True: [], False: []}
-        self._timing: bool | None = None
+        self._saved_bytes: dict[str, list[int]] = {"with": [], "without": []}
+        self._timing: str | None = None
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """Saved activation bytes and step time, without and with checkpointing."""
@@ -199,29 +199,34 @@ class ActivationCheckpointing(OpkitCallback):
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._stop_counting()
         self._regions, self._found = [], []
+        self._trial, self._timing = None, None  # a measurement the fit did not finish starts over in the next
 
-    # the measurement: warm-up, then without, with, without, with, ...
+    # the measurement: warm-up, then with, without, without, with, ...
 
-    def _phase(self, step: int) -> bool | None:
-        """Whether step ``step`` is a measured one with checkpointing (``True``), without (``False``), or neither."""
-        first = _WARMUP + 1
-        if not self.measure or self.price is not None or not first <= step < first + 2 * self.measure_steps:
+    def _phase(self) -> str | None:
+        """This step's arm of the measurement, ``"with"`` or ``"without"`` checkpointing, or ``None``."""
+        if not self.measure or self.price is not None:
             return None
-        return step % 2 == 0
+        if self._trial is None:
+            self._trial = Trial(["with", "without"], rounds=self.measure_steps, warmup=_WARMUP)
+            self._saved_bytes = {"with": [], "without": []}
+        arm = self._trial.next()
+        return None if arm == WARMUP else arm
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._close_sample(trainer, pl_module)
-        phase = self._phase(trainer.global_step)
+        phase = self._phase()
         assert self._saved is not None
         for region in self._regions:
-            region.enabled = phase is not False
-            region.note_kept = self._saved.note if phase else None
+            region.enabled = phase != "without"
+            region.note_kept = self._saved.note if phase == "with" else None
         if phase is None:
             return
+        assert self._trial is not None
         self._timing = phase
-        self._clock.start(pl_module.device)
+        self._trial.start(phase, pl_module.device)
         self._saved.activations = 0
         self._counting = self._saved.counting()
         self._counting.__enter__()
@@ -244,17 +249,17 @@ class ActivationCheckpointing(OpkitCallback):
         if self._timing is None:
             return
         self._stop_counting()
-        self._clock.stop(keep=True)
+        assert self._saved is not None and self._trial is not None
+        self._trial.stop()
         phase, self._timing = self._timing, None
-        assert self._saved is not None
-        self._samples[phase].append((self._saved.activations, self._clock.seconds(wait=True)[-1]))
-        if len(self._samples[True]) == len(self._samples[False]) == self.measure_steps:
-            self._priced(trainer)
+        self._saved_bytes[phase].append(self._saved.activations)
+        if self._trial.done:
+            self._priced(trainer, self._trial)
 
-    def _priced(self, trainer: pl.Trainer) -> None:
-        without, with_ = self._samples[False], self._samples[True]
-        self.price = Price(int(statistics.median(b for b, _ in without)), int(statistics.median(b for b, _ in with_)),
-                           statistics.median(t for _, t in without), statistics.median(t for _, t in with_))
+    def _priced(self, trainer: pl.Trainer, trial: Trial) -> None:
+        saved = self._saved_bytes
+        self.price = Price(int(statistics.median(saved["without"])), int(statistics.median(saved["with"])),
+                           trial.median("without"), trial.median("with"))
         p = self.price
         self._scalars("opkit/checkpointing", {
             "saved_mb_without": p.saved_without / 2**20, "saved_mb_with": p.saved_with / 2**20, "saved_cut": p.cut,

@@ -2,14 +2,13 @@
 
 Per call: a profiler span named after the region, the compiled code (eagerly with ``eager_on_recompile`` once the
 region neared dynamo's recompile limit), eager fallback on a compile failure, recompiles counted against the region,
-and once, if asked, eager against compiled time (:class:`SpeedTrial`: on the region's own calls, no extra ones).
+and once, if asked, eager against compiled time (:func:`speed_trial`: on the region's own calls, no extra ones).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +19,9 @@ from lightning_opkit.compile.config import COMPILE_FAILURES
 from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
 from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
 from lightning_opkit.core.recompute import RECOMPUTING
-from lightning_opkit.core.timing import StepClock
+from lightning_opkit.core.trial import Trial
 
-__all__ = ["SLOWER", "CompiledForward", "RegionHooks", "SpeedTrial", "limit_message", "stance"]
+__all__ = ["SLOWER", "CompiledForward", "RegionHooks", "limit_message", "speed_trial", "stance"]
 
 
 def stance() -> str:
@@ -34,45 +33,19 @@ def stance() -> str:
     return _stance.stance
 
 
-class SpeedTrial:
+def speed_trial() -> Trial:
     """Eager against compiled time on a region's own calls: no extra call, so nothing runs twice.
 
-    After :data:`WARMUP` calls, the next six alternate compiled and eager (C E C E C E: drift hits both alike), each
-    timed on the device's clock (CUDA events, read once at the end); the speedup is eager's median over compiled's.
-    Replays and census steps (a forced eager stance) are not the region's training calls and do not count.
+    After two warm-up calls the next six take turns (C E E C C E), each timed on the device's clock; the speedup is
+    eager's median over compiled's (:meth:`~lightning_opkit.core.trial.Trial.ratio`). Replays and census steps (a
+    forced eager stance) are not the region's training calls and do not count.
 
     Example:
-        >>> trial = SpeedTrial()
+        >>> trial = speed_trial()
         >>> [trial.next() for _ in range(4)]
         ['warmup', 'warmup', 'compiled', 'eager']
     """
-
-    WARMUP = 2
-    ORDER = ("compiled", "eager") * 3
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.clocks = {"compiled": StepClock(), "eager": StepClock()}
-
-    def next(self) -> str | None:
-        """What the next eligible call runs: ``"warmup"``, ``"compiled"``, ``"eager"``, or ``None`` once done."""
-        i = self.calls - self.WARMUP
-        self.calls += 1
-        if i < 0:
-            return "warmup"
-        return self.ORDER[i] if i < len(self.ORDER) else None
-
-    @property
-    def done(self) -> bool:
-        """Whether every timed call was made."""
-        return self.calls >= self.WARMUP + len(self.ORDER)
-
-    def speedup(self) -> float:
-        """Eager time over compiled time (medians)."""
-        compiled, eager = self.clocks["compiled"].seconds(wait=True), self.clocks["eager"].seconds(wait=True)
-        if not (compiled and eager):
-            return 1.0  # not measured: nothing to decide on
-        return statistics.median(eager) / max(statistics.median(compiled), 1e-9)
+    return Trial(["compiled", "eager"], rounds=3, warmup=2)
 
 
 def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list[str]] | None:
@@ -111,7 +84,7 @@ class RegionHooks:
         on_failure: called with a compile failure before the call is rerun eagerly; ``None`` re-raises it.
         on_recompile: called after a call that recompiled the region.
         on_slower: called once the region measured slower compiled than eager and runs eagerly from then on.
-        speedup: measure eager against compiled time once (:class:`SpeedTrial`, on its own calls).
+        speedup: measure eager against compiled time once (:func:`speed_trial`, on its own calls).
         eager_if_slower: run eagerly from then on if compiled measured slower (beyond :data:`SLOWER`).
         sizes_dynamic: dynamo marks a changed dimension dynamic (``dynamic`` is not ``False``): one recompile per
             such size change is expected.
@@ -145,7 +118,7 @@ class CompiledForward:
         self.module, self.region, self.original, self.compiled = module, region, original, compiled
         self.watch, self.hooks = watch, hooks
         self.device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
-        self.trial = SpeedTrial() if hooks.speedup or hooks.eager_if_slower else None
+        self.trial = speed_trial() if hooks.speedup or hooks.eager_if_slower else None
         #: whether each recent call that autograd may recompute ran eagerly, newest last (an activation checkpoint
         #: recomputes in backward, newest first, and must run the code its forward ran: it checks it saved the same)
         self._eager_calls: collections.deque[bool] = collections.deque(maxlen=_REMEMBERED)
@@ -175,7 +148,7 @@ class CompiledForward:
         if len(watch.recompile_reasons) != recompiles:
             self._recompiled(watch.recompile_reasons[recompiles:])
         if self.trial is not None and self.trial.done and region.speedup is None:
-            self._decide(self.trial.speedup())
+            self._decide(self.trial.ratio("eager", "compiled"))
         return out
 
     def _again(self, args: tuple, kwargs: dict) -> Any:
@@ -193,10 +166,13 @@ class CompiledForward:
         if slot not in ("compiled", "eager"):
             return self._run(args, kwargs)
         assert self.trial is not None
-        clock = self.trial.clocks[slot]
-        clock.start(self.device)
-        out = self._run(args, kwargs) if slot == "compiled" else self.original(*args, **kwargs)
-        clock.stop(keep=True)
+        self.trial.start(slot, self.device)
+        try:
+            out = self._run(args, kwargs) if slot == "compiled" else self.original(*args, **kwargs)
+        except BaseException:
+            self.trial.stop(keep=False)  # a failed compile is not a sample
+            raise
+        self.trial.stop()
         return out
 
     def _decide(self, speedup: float) -> None:

@@ -7,7 +7,6 @@ tables, the same numerics and the same compiled graphs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,17 +16,38 @@ from torch import Tensor
 
 from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.core.text import markdown_table
-from lightning_opkit.core.timing import sync
+from lightning_opkit.core.trial import Trial
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
-from lightning_opkit.precision.decide import MIN_SPEEDUP, Decision, decide
+from lightning_opkit.precision.decide import MIN_SPEEDUP, TIE, Decision, decide
 from lightning_opkit.precision.measure import measure_precision
 from lightning_opkit.precision.results import Measurement, PrecisionMeasurements
 from lightning_opkit.precision.runner import StepRunner
-from lightning_opkit.precision.trials import Trials
 
-__all__ = ["AutoPrecision", "Plan"]
+__all__ = ["AutoPrecision", "Plan", "describe_trial"]
+
+def describe_trial(trial: Trial) -> str:
+    """``"gemm+keep 1190.2 ms, per-class+keep 1220.5 ms (best of 2 training steps each)"``.
+
+    The contenders (within tolerance, and close to the fastest on the first rows of a batch) are confirmed on the
+    next real training steps. On a few rows the activations fit in cache, and a table that casts between classes
+    looks cheaper than it is on the full batch (on the GPT-2-style LM of the benchmarks one row put such a table within
+    7% of the fastest; the full batch, 36% behind). The best of each contender's steps counts, not the median: a
+    table's first step on the full batch pays one-off costs (kernels and buffers for new shapes and dtypes; one such
+    step measured twice its table's speed on the LM). These steps train as any other: the trial costs only the slower
+    contenders' extra time.
+
+    Example:
+        >>> trial = Trial(["gemm", "keep"], rounds=1)
+        >>> trial.add("gemm", 1.1902); trial.add("keep", 1.2205)
+        >>> describe_trial(trial)
+        'gemm 1190.2 ms, keep 1220.5 ms (best of 1 training steps each)'
+    """
+    best = trial.best()
+    return ", ".join(f"{n} {1e3 * best[n]:.1f} ms" for n in trial.arms if n in best) + (
+        f" (best of {trial.rounds} training steps each)")
+
 
 #: rank zero's value, on every rank
 Agree = Callable[[Any], Any]
@@ -67,8 +87,8 @@ class AutoPrecision:
         self.measurements: PrecisionMeasurements | None = None
         self.choice: StepChoice | None = None
         self.per_class: dict[str, tuple[str, str]] = {}  # rank zero's per-class decisions: (dtype, why)
-        self._trials: Trials | None = None
-        self._trial_step: tuple[str, float] | None = None  # the contender of this batch and when it began
+        self._trials: Trial | None = None
+        self._trial_step = False  # whether this batch is a timed trial step
         self._loss_scale: float | None = None
 
     @property
@@ -85,7 +105,7 @@ class AutoPrecision:
 
     def reset(self) -> None:
         """Forget trials in progress (a new fit)."""
-        self._trials = self._trial_step = None
+        self._trials, self._trial_step = None, False
 
     # measure and decide
 
@@ -132,7 +152,7 @@ class AutoPrecision:
                 choice.trial = "not run (" + ("TorchCompile attached: each table would recompile" if compiled
                                               else "gradient accumulation") + ")"
             else:
-                self._trials = Trials(choice.contenders(), self.trial_rounds)
+                self._trials = Trial(choice.contenders(), self.trial_rounds)
         return self.plan_for(choice.chosen)
 
     def _measure(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor],
@@ -177,28 +197,28 @@ class AutoPrecision:
         """At a batch's start while trialing: the contender this step runs (``None`` on a census step)."""
         assert self._trials is not None
         if census_step:
-            self._trial_step = None  # a census step recomputes every op in fp32: not a fair sample
+            self._trial_step = False  # a census step recomputes every op in fp32: not a fair sample
             return None
         name = self._trials.next()
-        plan = self.plan_for(name)
-        sync(device)  # a whole training step: its kernels' time, not their launch
-        self._trial_step = (name, time.perf_counter())
-        return plan
+        if name is None:
+            return None
+        self._trials.start(name, device)
+        self._trial_step = True
+        return self.plan_for(name)
 
     def end_trial_step(self, device: torch.device, agree: Agree) -> Plan | None:
         """At a batch's end: time the contender; when every contender had its steps, the winner's plan."""
         trials, taken = self._trials, self._trial_step
-        self._trial_step = None
-        if trials is None or taken is None or self.choice is None:
+        self._trial_step = False
+        if trials is None or not taken or self.choice is None:
             return None
-        sync(device)  # a whole training step: its kernels' time, not their launch
-        trials.add(taken[0], 1e3 * (time.perf_counter() - taken[1]))
+        trials.stop()
         if not trials.done:
             return None
         # Rank zero's step times decide, so every rank trains on with the same table.
-        self.choice.chosen = agree(trials.winner())
-        self.choice.trial = agree(trials.describe())
-        self.choice.trial_ms = agree(trials.best())
+        self.choice.chosen = agree(trials.winner(TIE))
+        self.choice.trial = agree(describe_trial(trials))
+        self.choice.trial_ms = agree({n: 1e3 * t for n, t in trials.best().items()})
         self._trials = None
         return self.plan_for(self.choice.chosen)
 
@@ -206,7 +226,7 @@ class AutoPrecision:
         """The fit ended before every contender had its steps: the choice on the measured rows stands."""
         if self._trials is None or self.choice is None:
             return None
-        taken, total = self._trials.taken, len(self._trials.order)
+        taken, total = self._trials.calls, len(self._trials.order)
         self.choice.trial = f"not finished (the fit ended after {taken} of {total} trial steps)"
         self.reset()
         return self.plan_for(self.choice.chosen)

@@ -122,7 +122,7 @@ class StepChoice:
     seconds: float
     tolerance: float
 
-    #: how the choice was confirmed on real training steps (:class:`~lightning_opkit.precision.trials.Trials`)
+    #: how the choice was confirmed on real training steps (:func:`~lightning_opkit.precision.auto.describe_trial`)
     trial: str | None = None
     #: each contender's fastest trial step, in ms, as recorded (``trial`` says it in words, rounded)
     trial_ms: dict[str, float] | None = None

@@ -8,6 +8,8 @@ from helpers import make_loader, read_events, trainer
 from torch import nn
 
 from lightning_opkit import PrecisionPolicy, replaying
+from lightning_opkit.core.trial import Trial
+from lightning_opkit.precision.auto import describe_trial
 from lightning_opkit.precision.candidates import (
     AUTOCAST,
     StepChoice,
@@ -20,7 +22,6 @@ from lightning_opkit.precision.candidates import (
 from lightning_opkit.precision.decide import TIE
 from lightning_opkit.precision.op_timing import time_classes
 from lightning_opkit.precision.runner import StepRunner, record_ops
-from lightning_opkit.precision.trials import Trials
 from precision.test_auto import Injected, _row
 from precision.test_policy import Probe
 
@@ -239,26 +240,11 @@ def test_a_region_where_the_user_turned_autocast_off_runs_as_written(tmp_path, c
     assert model.seen["norm"] == FP
 
 
-def test_trials_alternate_the_contenders_and_keep_the_fastest_median():
-    trials = Trials(["a", "b", "c"], rounds=2)
-    assert trials.order == ["a", "b", "c", "c", "b", "a"]
-    assert trials.next() == "a"
-    for name, ms in zip(trials.order, [10.0, 9.0, 12.0, 12.5, 9.2, 10.1]):
-        assert not trials.done
-        assert trials.next() == name
-        trials.add(name, ms)
-    assert trials.done
-    assert trials.best() == {"a": 10.0, "b": 9.0, "c": 12.0}
-    assert trials.winner() == "b"
-    cold = Trials(["a", "b"], rounds=2)  # b's first step paid a one-off cost: its best step counts
-    for name, ms in zip(cold.order, [10.0, 25.0, 9.5, 10.2]):
-        cold.add(name, ms)
-    assert cold.winner() == "b"
-    tie = Trials(["a", "b"], rounds=1)
-    tie.add("a", 10.0), tie.add("b", 9.9)
-    assert tie.winner() == "a"  # within 2%: the sub-batch choice stays
-    assert "b 9.9 ms" in tie.describe()
-    assert "best of 1" in tie.describe()
+def test_a_trial_is_described_by_each_contenders_best_step():
+    trial = Trial(["a", "b"], rounds=1)
+    trial.add("a", 0.0100), trial.add("b", 0.0099)
+    assert trial.winner(TIE) == "a"  # within 2%: the sub-batch choice stays
+    assert describe_trial(trial) == "a 10.0 ms, b 9.9 ms (best of 1 training steps each)"
 
 
 class Trialled(Probe):
