@@ -28,8 +28,9 @@ can be (the exported Chrome trace, CUDA's sync debug mode, the datasheet):
 8. ``fp16 + GradScaler``: a fp16 matmul policy under 16-mixed trains finite, with its census.
 9. ``cudagraphs``: ``TorchCompile(mode="reduce-overhead")`` with ``NaNDetector`` trains without falling back, no
    false event.
-10. ``memory``: the memory view's peak is the allocator's, its activations positive; ``ActivationCheckpointing`` on
-    every block cuts them by 40% or more; a fit that runs out of memory leaves a snapshot that loads, with segments.
+10. ``memory_breakdown``: the memory view's peak is the allocator's, its activations positive;
+    ``ActivationCheckpointing`` on every block cuts them by 40% or more; a fit that runs out of memory leaves a
+    snapshot that loads, with segments.
 """
 
 from __future__ import annotations
@@ -392,7 +393,7 @@ def check_memory(c: Check, root: str) -> None:
     """Check 10: the memory view and ActivationCheckpointing on CUDA; a snapshot on out of memory."""
     saved = {}
     for name, extra in (("none", []), ("full", [ActivationCheckpointing(modules="auto", measure=False)])):
-        windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=True, export_trace=False)
+        windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory_breakdown=True, export_trace=False)
         fit(LM(d=256, layers=2, heads=4), [windows, *extra], 3, os.path.join(root, name), precision="bf16-mixed")
         report = windows.memory_report
         saved[name] = report.activations if report is not None else 0
@@ -401,7 +402,7 @@ def check_memory(c: Check, root: str) -> None:
         c.expect(report is not None and report.peak is not None and report.activations > 0,
                  f"{name}: a memory view with the allocator's peak")
     c.expect(saved["full"] <= 0.6 * saved["none"], "checkpointing every block cuts saved activations by >= 40%")
-    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=True, memory_snapshot=True,
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory_breakdown=True, memory_snapshot=True,
                               export_trace=False)
     with contextlib.suppress(torch.OutOfMemoryError):
         fit(Hungry(d=256, layers=2, heads=4), [windows], 6, os.path.join(root, "oom"))

@@ -252,12 +252,12 @@ def suite_profiler(args) -> None:
     medians = interleave({
         "no callback": lambda: (vit(), [], {}),
         "ProfilerWindows (idle between windows)": lambda: (vit(), [ProfilerWindows(every_n_steps=10_000)], {}),
-        "ProfilerWindows(memory=True) (idle)": lambda: (vit(), [ProfilerWindows(every_n_steps=10_000, memory=True)],
-                                                        {}),
+        "ProfilerWindows(memory_breakdown=True) (idle)": lambda: (
+            vit(), [ProfilerWindows(every_n_steps=10_000, memory_breakdown=True)], {}),
     }, args.steps, args.reps, args.skip)
     report("ProfilerWindows idle cost", medians, "no callback")
-    for label, memory in (("", False), (" with memory=True", True)):
-        inside, step = hook_cost(lambda memory=memory: ProfilerWindows(every_n_steps=10_000, memory=memory),
+    for label, memory in (("", False), (" with memory_breakdown=True", True)):
+        inside, step = hook_cost(lambda memory=memory: ProfilerWindows(every_n_steps=10_000, memory_breakdown=memory),
                                  args.steps, args.skip)
         print(f"  time inside ProfilerWindows' hooks between windows{label}: {inside:.3f} ms/step"
               f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")

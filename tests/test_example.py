@@ -39,7 +39,7 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     assert opkit[0].overrides == {"model.head": "fp32"}
     assert opkit[1].action == "skip"
     assert opkit[1].spike_zscore == 6.0
-    assert opkit[2].memory
+    assert opkit[2].memory_breakdown
     assert opkit[4].backend == "eager"
     opkit[2].every_n_steps = 5  # a window inside 12 steps
     cli.trainer.fit(cli.model, cli.datamodule)

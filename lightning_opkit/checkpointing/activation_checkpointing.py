@@ -69,8 +69,9 @@ class ActivationCheckpointing(OpkitCallback):
     attached PrecisionPolicy's), with the same RNG state, so losses and gradients are those of the run without it.
 
     With ``measure``, a few steps early in the fit (from the fourth) take turns with and without checkpointing (every
-    rank alike; :class:`~lightning_opkit.core.trial.Trial`) and the activation bytes autograd saves and the step times are compared: that is the price. The steps
-    without it need the memory checkpointing frees: leave ``measure=False`` where they would not fit.
+    rank alike; :class:`~lightning_opkit.core.trial.Trial`) and the activation bytes autograd saves and the step
+    times are compared: that is the price. The steps without it need the memory checkpointing frees: leave
+    ``measure=False`` where they would not fit.
 
     Args:
         modules: ``None`` (or ``"auto"``): the model's repeated blocks (children of a ``ModuleList``/``Sequential``
@@ -249,7 +250,8 @@ class ActivationCheckpointing(OpkitCallback):
         if self._timing is None:
             return
         self._stop_counting()
-        assert self._saved is not None and self._trial is not None
+        assert self._saved is not None
+        assert self._trial is not None
         self._trial.stop()
         phase, self._timing = self._timing, None
         self._saved_bytes[phase].append(self._saved.activations)

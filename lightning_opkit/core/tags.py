@@ -38,7 +38,7 @@ class Tag:
 
 _WINDOW = "each profiler window's end"
 _ROOF = "each window, `roofline=True`"
-_MEM = "each window, `memory=True`"
+_MEM = "each window, `memory_breakdown=True`"
 _CENSUS = "each census step (`census_every_n_steps`)"
 _COUNTERS = "each event's step and each epoch end"
 _COMPILE = "when they change (checked each step)"
@@ -82,7 +82,7 @@ TAGS: tuple[Tag, ...] = (
     Tag("opkit/profiler/profiled_steps", "scalar", "steps", _WINDOW, "recorded steps in the window"),
     Tag("opkit/profiler/framework_ms", "scalar", "ms / step", _WINDOW,
         "self time of framework spans (ProfilerStep, Optimizer.step, data loading), apart from the class shares"),
-    Tag("opkit/profiler/peak_memory_mb", "scalar", "MB", f"{_WINDOW}, `profile_memory` or `memory`",
+    Tag("opkit/profiler/peak_memory_mb", "scalar", "MB", f"{_WINDOW}, `profile_memory` or `memory_breakdown`",
         "CUDA: the allocator's maximum; CPU: the peak of the window's allocations"),
     Tag("opkit/profiler/gflops_per_s", "scalar", "GFLOP/s", f"{_WINDOW}, `with_flops`", "the profiler's FLOPs / time"),
     Tag("opkit/profiler/export_s", "scalar", "s", f"{_WINDOW}, `export_trace`", "time to write the trace"),

@@ -97,7 +97,7 @@ def out_of_memory_lines(report: MemoryReport | None, memory: bool, snapshot: str
     """What the run summary adds when the fit ran out of memory: where to look next.
 
     Example:
-        >>> "ProfilerWindows(memory=True)" in out_of_memory_lines(None, False, None)[0]
+        >>> "ProfilerWindows(memory_breakdown=True)" in out_of_memory_lines(None, False, None)[0]
         True
     """
     if report is not None:
@@ -105,8 +105,8 @@ def out_of_memory_lines(report: MemoryReport | None, memory: bool, snapshot: str
     elif memory:
         lines = ["  out of memory before the first memory window: windows sooner (every_n_steps) show where it goes"]
     else:
-        lines = ["  out of memory: ProfilerWindows(memory=True) shows which blocks hold the activations and what"
-                 " checkpointing them would free"]
+        lines = ["  out of memory: ProfilerWindows(memory_breakdown=True) shows which blocks hold the activations and"
+                 " what checkpointing them would free"]
     if snapshot is not None:
         lines.append(f"  memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)")
     return lines

@@ -5,11 +5,11 @@ Logged (rank zero), per window at its last step: ``opkit/profiler/windows``, ``s
 (``profile_memory``), ``gflops_per_s`` (``with_flops``), ``export_s`` and ``export_errors`` (scalars), and the
 ``top_ops`` and ``op_classes`` tables (text). With ``roofline``: ``<class>/tflops``, ``gbps``, ``pct_peak``,
 ``pct_bandwidth``, ``intensity``, ``mfu`` (and ``mfu_fp32``, ``mfu_bf16``, ``model_tflops``), the ``roofline`` table
-(text) and the ``roofline_plot`` image. With ``memory``: ``opkit/memory/{parameters_mb,gradients_mb,optimizer_mb,
-activations_mb,peak_mb}``, the ``opkit/memory/modules`` and ``opkit/memory/op_classes`` tables and the
-``opkit/memory/blocks`` picture. Traces go to ``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``; with
-``memory_snapshot``, on CUDA, a fit that runs out of memory leaves
-``<log dir>/traces/memory_snapshot.rank<r>.<step>.pickle``.
+(text) and the ``roofline_plot`` image. With ``memory_breakdown``:
+``opkit/memory/{parameters_mb,gradients_mb,optimizer_mb,activations_mb,peak_mb}``, the ``opkit/memory/modules`` and
+``opkit/memory/op_classes`` tables and the ``opkit/memory/blocks`` picture. Traces go to
+``<log dir>/traces/rank<r>.<step>.pt.trace.json.gz``; with ``memory_snapshot``, on CUDA, a fit that runs out of
+memory leaves ``<log dir>/traces/memory_snapshot.rank<r>.<step>.pickle``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_int
-from lightning_opkit.core.deprecations import OpkitDeprecationWarning
+from lightning_opkit.core.deprecations import OpkitDeprecationWarning, renamed
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.logging import traces_dir
 from lightning_opkit.core.select import find_blocks
@@ -91,7 +91,7 @@ class ProfilerWindows(OpkitCallback):
         roofline: per window, each op class's achieved TFLOP/s and GB/s against this device's peaks (measured once
             per process: dense GEMMs per dtype that ran, a large copy, an all_reduce under DDP), what bounds it and
             the lever, the step's MFU; a table, a picture and scalars. Turns on ``record_shapes`` and ``with_flops``.
-        memory: per window, what its first step holds (:mod:`~lightning_opkit.profiler.memory`): parameters,
+        memory_breakdown: per window, what its first step holds (:mod:`lightning_opkit.profiler.memory`): parameters,
             gradients, optimizer state and activations saved for backward (by module and by the op class that
             produced them), the peak, and which blocks to checkpoint at what cost; tables, a picture, scalars and
             :attr:`memory_report`. Turns on ``profile_memory`` (the peak on a CPU).
@@ -102,6 +102,8 @@ class ProfilerWindows(OpkitCallback):
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
             then: ``logger=False`` writes no file).
+        memory: the old name of ``memory_breakdown`` (beside ``profile_memory`` it read as the same thing): it works
+            for this release and warns.
 
     Example:
         >>> windows = ProfilerWindows(every_n_steps=200, active=3)
@@ -128,19 +130,21 @@ class ProfilerWindows(OpkitCallback):
         all_ranks: bool = False,
         span_validation: bool = False,
         roofline: bool = False,
-        memory: bool = False,
+        memory_breakdown: bool = False,
         memory_snapshot: bool = False,
         enabled: bool = True,
         log_dir: Optional[str] = None,
+        memory: Optional[bool] = None,
     ) -> None:
         super().__init__(enabled, log_dir, off="every_n_steps=0" if every_n_steps == 0 else None)
+        memory_breakdown = renamed(type(self).__name__, "memory", memory, "memory_breakdown", memory_breakdown, False)
         keep_traces = _check_counts(every_n_steps, warmup, active, top_k, keep_traces)
         check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
-                    with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks,
-                    span_validation=span_validation, roofline=roofline, memory=memory, memory_snapshot=memory_snapshot)
+                    with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks, roofline=roofline,
+                    span_validation=span_validation, memory_breakdown=memory_breakdown, memory_snapshot=memory_snapshot)
         # the roofline reads each op's shapes, dtypes and the profiler's GEMM FLOPs
-        self._profile_options = dict(record_shapes=record_shapes or roofline, profile_memory=profile_memory or memory,
-                                     with_stack=with_stack, with_flops=with_flops or roofline)
+        self._profile_options = dict(record_shapes=record_shapes or roofline, with_flops=with_flops or roofline,
+                                     with_stack=with_stack, profile_memory=profile_memory or memory_breakdown)
         self.every_n_steps = every_n_steps
         self.warmup = warmup
         self.active = active
@@ -148,15 +152,11 @@ class ProfilerWindows(OpkitCallback):
         self.profile_memory = profile_memory
         self.with_stack = with_stack
         self.with_flops = with_flops
-        self.export_trace = export_trace
-        self.top_k = top_k
-        self.gzip = gzip
+        self.export_trace, self.top_k, self.gzip = export_trace, top_k, gzip
         self.keep_traces = keep_traces
         self.all_ranks = all_ranks
         self.span_validation = span_validation
-        self.roofline = roofline
-        self.memory = memory
-        self.memory_snapshot = memory_snapshot
+        self.roofline, self.memory_breakdown, self.memory_snapshot = roofline, memory_breakdown, memory_snapshot
         self._fresh()
 
     def _fresh(self) -> None:
@@ -165,7 +165,7 @@ class ProfilerWindows(OpkitCallback):
         self.snapshot_file: str | None = None
         self._snapshot = Snapshot()
         self._out_of_memory = False
-        #: the last window's memory view (``memory=True``)
+        #: the last window's memory view (``memory_breakdown=True``)
         self.memory_report: MemoryReport | None = None
         self._probe: MemoryProbe | None = None
         self.windows_done = 0
@@ -212,7 +212,8 @@ class ProfilerWindows(OpkitCallback):
         self._open_writer(trainer, stage)
         self._trace_dir = traces_dir(trainer, self.log_dir)
         self._enabled = self.all_ranks or trainer.is_global_zero
-        self._blocks = find_blocks(pl_module) if (self.roofline or self.memory) and stage == "fit" else self._blocks
+        wants_blocks = (self.roofline or self.memory_breakdown) and stage == "fit"
+        self._blocks = find_blocks(pl_module) if wants_blocks else self._blocks
         if stage == "fit":
             self._out_of_memory, self.snapshot_file = False, None
         if self.memory_snapshot and stage == "fit" and not self._snapshot.start(trainer.strategy.root_device):
@@ -260,7 +261,8 @@ class ProfilerWindows(OpkitCallback):
         """This callback's lines of the run summary."""
         line = f"profiler: {self.windows_done} window(s), {traces_line(self.trace_files, self._trace_dir)}"
         report = self.last_report
-        oom = out_of_memory_lines(self.memory_report, self.memory, self.snapshot_file) if self._out_of_memory else []
+        oom = (out_of_memory_lines(self.memory_report, self.memory_breakdown, self.snapshot_file)
+               if self._out_of_memory else [])
         if report is None:
             return [line, *oom]
         top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
@@ -280,7 +282,7 @@ class ProfilerWindows(OpkitCallback):
             return
         if self._window is None and opens_window(batch_no, self.every_n_steps):
             self._window = Window(self.every_n_steps, self.warmup, self.active, self._profile_options)
-            if self.memory and trainer.training:
+            if self.memory_breakdown and trainer.training:
                 self._probe = MemoryProbe(pl_module, self._blocks)
                 self._probe.begin(trainer.global_step)
         if self._window is not None:
@@ -338,7 +340,7 @@ class ProfilerWindows(OpkitCallback):
 
     def _report(self, trainer: pl.Trainer, window: Window, partial: bool) -> None:
         report = summarize(window.prof, window.step_times, use_device=window.uses_cuda)
-        if self.profile_memory or self.memory:
+        if self.profile_memory or self.memory_breakdown:
             report.peak_memory_bytes = (float(torch.cuda.max_memory_allocated()) if window.uses_cuda
                                         else peak_cpu_memory(window.prof))
         self.windows_done += 1

@@ -278,7 +278,7 @@ def test_a_graph_break_around_a_compiled_checkpoint_recomputes_in_the_forward_dt
     # the block's Python without the policy's mode (fp32 where the forward ran bf16) and backward failed.
     def callbacks(windows):
         return [PrecisionPolicy(rules={"matmul": "bf16"}, measure=False, census_every_n_steps=5),
-                *([ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory=True)] if windows else []),
+                *([ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory_breakdown=True)] if windows else []),
                 ActivationCheckpointing(modules=["model.blocks.*"], measure=False), TorchCompile(backend="eager")]
 
     _, plain = _fit(tmp_path / "plain", "torch_mha", callbacks(False), steps=6)

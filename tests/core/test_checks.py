@@ -28,6 +28,7 @@ RENAMED = {
     "measure_every_n_steps": (PrecisionPolicy, "remeasure_every_n_steps", 5),
     "check_speed": (PrecisionPolicy, "measure", False),
     "measure_speedup": (TorchCompile, "measure", True),
+    "memory": (ProfilerWindows, "memory_breakdown", True),
 }
 DEPRECATED = {(cls, old) for old, (cls, _, _) in RENAMED.items()}
 
@@ -47,6 +48,8 @@ def test_both_spellings_with_different_values_are_refused(old):
     other = {"modules": {"tail": "fp32"}, "measure_every_n_steps": 7}[old]
     with pytest.raises(ValueError, match=rf"`{old}` is the old name of `{new}`; pass only `{new}`"):
         cls(**{old: value, new: other})
+    with pytest.raises(ValueError, match="`memory` is the old name of `memory_breakdown`"):
+        ProfilerWindows(memory=False, memory_breakdown=True)
 
 
 def test_the_old_measure_speedup_false_still_measured_as_eager_if_slower_did():

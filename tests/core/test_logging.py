@@ -13,7 +13,7 @@ from lightning_opkit.core.logging import LogWriter
 
 def _kit(**kw):
     return [PrecisionPolicy(census_every_n_steps=2, **kw), NaNDetector(action="skip", **kw),
-            ProfilerWindows(every_n_steps=2, warmup=0, active=1, roofline=True, memory=True, **kw),
+            ProfilerWindows(every_n_steps=2, warmup=0, active=1, roofline=True, memory_breakdown=True, **kw),
             TorchCompile(modules="auto", backend="eager", **kw), ActivationCheckpointing(**kw)]
 
 

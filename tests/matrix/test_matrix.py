@@ -90,7 +90,7 @@ def _callbacks(case: Case, letters: str, backend: str = "eager") -> list[pl.Call
             made.append(NaNDetector(action="skip", **kw))
         elif letter == "W":
             # traces exported without a logger would break the no-file rule: exported where a logger takes them
-            made.append(ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory=True,
+            made.append(ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory_breakdown=True,
                                         roofline=letters == "PNWCA", export_trace=case.logging == "none", **kw))
         elif letter == "C":
             made.append(TorchCompile(backend=backend, modules=blocks if case.compile == "regional" else None,

@@ -1,4 +1,4 @@
-"""ProfilerWindows(memory=True): bytes by kind exact, activations per block against an independent count, read back."""
+"""ProfilerWindows(memory_breakdown=True): bytes by kind exact, activations per block counted apart, read back."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _independent(model, batch, blocks):
 @pytest.mark.parametrize("name", ["hf_gpt2", "torch_encoder", "bn_cnn"])
 def test_memory_view_matches_independent_counts_and_is_read_back(tmp_path, name):
     model = build(name)
-    windows = ProfilerWindows(every_n_steps=3, warmup=1, active=1, memory=True)
+    windows = ProfilerWindows(every_n_steps=3, warmup=1, active=1, memory_breakdown=True)
     trainer = pl.Trainer(accelerator="cpu", max_steps=5, logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="",
                          version=""), callbacks=[windows], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path))
@@ -106,7 +106,7 @@ class RunsOutOfMemory(ZooModule):
 @pytest.mark.parametrize("memory", [True, False])
 def test_out_of_memory_prints_the_last_windows_memory_and_the_lever(tmp_path, capsys, memory):
     model = RunsOutOfMemory("hf_gpt2", at=4)
-    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory=memory, memory_snapshot=True,
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, memory_breakdown=memory, memory_snapshot=True,
                               export_trace=False)
     # NaNDetector first: the summary is written by the first opkit callback, before ProfilerWindows' own on_exception
     trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[NaNDetector(), windows], enable_progress_bar=False,
@@ -126,7 +126,7 @@ def test_out_of_memory_prints_the_last_windows_memory_and_the_lever(tmp_path, ca
         assert "ActivationCheckpointing(modules=" in report.lever()  # GPT-2's blocks hold most of the activations
         assert f"out of memory: the memory lines above are the last window's (step {report.step})" in out
     else:
-        assert "out of memory: ProfilerWindows(memory=True) shows which blocks hold the activations" in out
+        assert "out of memory: ProfilerWindows(memory_breakdown=True) shows which blocks hold the activations" in out
     assert windows.snapshot_file is None  # CUDA's history only: on a CPU, warned at setup and nothing written
     assert "memory snapshot:" not in out
 
@@ -158,7 +158,7 @@ def test_the_cpu_peak_counts_the_step_under_any_optimizer_and_names_the_step_pro
         torch.randn(512 * 6, 64, generator=g), torch.randint(0, 4, (512 * 6,), generator=g)), batch_size=512)
     reports = {}
     for optimizer in ("sgd", "adam"):
-        windows = ProfilerWindows(every_n_steps=4, warmup=1, active=2, memory=True)
+        windows = ProfilerWindows(every_n_steps=4, warmup=1, active=2, memory_breakdown=True)
         trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, callbacks=[windows],
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=str(tmp_path))
