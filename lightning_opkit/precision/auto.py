@@ -149,8 +149,8 @@ class AutoPrecision:
             return Plan(chosen)
         if self.trial_rounds and len(choice.contenders()) > 1:
             if compiled or accumulating:
-                choice.trial = "not run (" + ("TorchCompile attached: each table would recompile" if compiled
-                                              else "gradient accumulation") + ")"
+                self.choice = choice.confirmed(choice.chosen, "not run (" + (
+                    "TorchCompile attached: each table would recompile" if compiled else "gradient accumulation") + ")")
             else:
                 self._trials = Trial(choice.contenders(), self.trial_rounds)
         return self.plan_for(choice.chosen)
@@ -216,9 +216,8 @@ class AutoPrecision:
         if not trials.done:
             return None
         # Rank zero's step times decide, so every rank trains on with the same table.
-        self.choice.chosen = agree(trials.winner(TIE))
-        self.choice.trial = agree(describe_trial(trials))
-        self.choice.trial_ms = agree({n: 1e3 * t for n, t in trials.best().items()})
+        self.choice = self.choice.confirmed(agree(trials.winner(TIE)), agree(describe_trial(trials)),
+                                            agree({n: 1e3 * t for n, t in trials.best().items()}))
         self._trials = None
         return self.plan_for(self.choice.chosen)
 
@@ -227,7 +226,8 @@ class AutoPrecision:
         if self._trials is None or self.choice is None:
             return None
         taken, total = self._trials.calls, len(self._trials.order)
-        self.choice.trial = f"not finished (the fit ended after {taken} of {total} trial steps)"
+        self.choice = self.choice.confirmed(self.choice.chosen,
+                                            f"not finished (the fit ended after {taken} of {total} trial steps)")
         self.reset()
         return self.plan_for(self.choice.chosen)
 

@@ -13,6 +13,7 @@ tolerance wins; one within :data:`TIE` of it that is closer to fp32 wins the tie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -103,9 +104,9 @@ class TableRun:
         return f"{self.ms:.1f} ms, loss change {self.loss_change:.2e}, grad cosine {cos}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepChoice:
-    """The candidates, plain autocast beside them, and the table chosen.
+    """The candidates, plain autocast beside them, and the table chosen; a confirmation makes a new one.
 
     Args:
         runs: the candidates in the order they were built, plain autocast (:data:`AUTOCAST`) last: it is the
@@ -126,6 +127,10 @@ class StepChoice:
     trial: str | None = None
     #: each contender's fastest trial step, in ms, as recorded (``trial`` says it in words, rounded)
     trial_ms: dict[str, float] | None = None
+
+    def confirmed(self, chosen: str, trial: str, trial_ms: dict[str, float] | None = None) -> StepChoice:
+        """This choice after its trial steps: ``chosen`` won them (``trial`` says how, or why none ran)."""
+        return dataclasses.replace(self, chosen=chosen, trial=trial, trial_ms=trial_ms)
 
     @property
     def best(self) -> TableRun:

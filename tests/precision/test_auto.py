@@ -232,8 +232,7 @@ def test_measurement_leaves_the_training_run_unchanged(tmp_path, monkeypatch, wi
 
         def autocast_wins(*args, **kwargs):
             choice = measured_choice(*args, **kwargs)
-            choice.chosen = next(r.name for r in choice.runs if r.autocast)
-            return choice
+            return choice.confirmed(next(r.name for r in choice.runs if r.autocast), "forced by the test")
 
         monkeypatch.setattr(auto_module, "choose_table", autocast_wins)
     torch.manual_seed(0)
