@@ -10,7 +10,7 @@ LOGDIR ?= lightning_logs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,fp8]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,14 +29,16 @@ test: lint typecheck
 # than 2.13.0+cpu are CUDA builds: 5-8 GB with their nvidia packages, several minutes to install, and they run on a
 # CPU. The machine's pip constraints may cap torch: they are set aside (PIP_CONSTRAINT=/dev/null) for this venv only.
 TORCH ?= 2.11.0
+# torchao 0.18 does not import with torch 2.9 (it needs torch.nn.functional.ScalingType): 0.17.0 there
+TORCHAO ?= $(if $(filter 2.9.%,$(TORCH)),0.17.0,0.18.0)
 TORCH_VENV ?= .venv-torch-$(TORCH)
 TORCH_STAMP := $(TORCH_VENV)/.opkit-installed
 
 $(TORCH_STAMP): pyproject.toml constraints.txt
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
-	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
+	grep -v '^torch==\|^torchao==' constraints.txt > $(TORCH_VENV)/constraints.txt
 	PIP_CONSTRAINT=/dev/null $(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt \
-		torch==$(TORCH) -e '.[dev]'
+		torch==$(TORCH) torchao==$(TORCHAO) -e '.[dev,fp8]'
 	touch $(TORCH_STAMP)
 
 test-torch: $(TORCH_STAMP)

@@ -26,6 +26,7 @@ from lightning_opkit.nan.report import NaNReport
 from lightning_opkit.opclass import OP_CLASSES, classify_function, classify_module, classify_name
 from lightning_opkit.precision import PrecisionMeasurements, PrecisionPolicy, decide, measure_precision
 from lightning_opkit.precision.decide import Decision
+from lightning_opkit.precision.fp8 import Float8Linears
 from lightning_opkit.precision.results import Measurement
 from lightning_opkit.profiler import ProfilerWindows
 from lightning_opkit.profiler.memory import MemoryReport
@@ -53,6 +54,7 @@ __all__ = [  # noqa: RUF022 (grouped, not sorted)
     "strip_compile_prefix",
     # types
     "Decision",
+    "Float8Linears",
     "Measurement",
     "MemoryReport",
     "NaNReport",

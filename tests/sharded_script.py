@@ -187,11 +187,13 @@ def callbacks_for(name, root):
                                   decide="device" if "device" in name else "host")
     if "auto" in name:
         made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2)
+    elif "fp8" in name:
+        made["precision"] = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=2, measure=False)
     elif "precision" in name or everything:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, measure=False)
     if "profiler" in name or everything:
         made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,  # logger=False: the
-                                           roofline=name == "profiler", memory="all5" in name,  # traces asked for
+                                           roofline=name == "profiler", memory_breakdown="all5" in name,  # traces asked
                                            log_dir=root)
     if "compile" in name or everything:
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
@@ -266,6 +268,7 @@ def fit(out, layout, name, steps=10):
         result["table"] = made["precision"].table
         choice = made["precision"].choice
         result["chosen"] = choice.chosen if choice is not None else None
+        result["fp8"] = [made["precision"].fp8.converted, sorted(made["precision"].fp8.skipped)]
     if "profiler" in made:
         report = made["profiler"].last_report
         result["traces"] = [os.path.basename(p) for p in made["profiler"].trace_files]

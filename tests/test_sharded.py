@@ -14,8 +14,8 @@ import sys
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
-FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "profiler",
-             "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
+FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "nan-skip-fp8",
+             "profiler", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
@@ -123,6 +123,25 @@ def test_fsdp2_mixed_precision_keeps_the_policy_rules(runs):
         assert "norm:fp32" in r["census"]
         assert "matmul:bf16" in r["census"]
         assert "norm:bf16" not in r["census"]
+
+
+def test_fp8_gemms_under_fsdp2_train_alike_on_both_ranks(runs):
+    # each block fully_shard'ed: FSDP2 gathers a block's weights before its forward, and the float8 forward reads
+    # them there; the 8-wide input projection and the 4-class head cannot run in float8 and stay in bf16. Rank 1's
+    # NaN at step 3 is named on both ranks (data_or_model: the fp32 replay has it too) and skipped.
+    r0, r1 = runs["fsdp"]["nan-skip-fp8"]
+    for r in (r0, r1):
+        assert r["outcome"] == "finished"
+        assert r["global_step"] == 10
+        assert r["fp8"] == [[f"blocks.{i}.{fc}" for i in range(3) for fc in ("fc1", "fc2")], ["head", "inp"]]
+        assert {"matmul:fp8", "matmul:bf16"} <= set(r["census"])
+        assert r["events"] == [POISON]
+        assert r["skipped"] == 1
+        assert r["hooks_left"] == runs["fsdp"]["plain"][0]["hooks_left"]
+    _same_full_weights(r0["weights"], r1["weights"])
+    assert 1234.5 not in [v for w in r0["weights"].values() for v in w]  # no NaN reached the weights
+    # float8 GEMMs did run: other weights than the same skip in fp32
+    assert r0["weights"] != runs["fsdp"]["nan-skip"][0]["weights"]
 
 
 def test_each_callback_alone_under_fsdp2(runs):

@@ -111,16 +111,30 @@ class Census:
         with torch.no_grad():  # bookkeeping: inside an activation checkpoint, nothing here may be saved for backward
             self._record(cls, out, override, local_floats(ref) if ref is not None else [])
 
-    def _record(self, cls: str, out: Any, override: bool, refs: list[Tensor]) -> None:
+    def record_as(self, cls: str, dtype: torch.dtype, out: Any, override: bool, ref: Any) -> None:
+        """Count one op that ran in ``dtype`` inside (a float8 GEMM: its output is in a wider dtype), with its error.
+
+        Example:
+            >>> census = Census()
+            >>> census.record_as("matmul", torch.float8_e4m3fn, torch.ones(2), False, ref=torch.ones(2) * 1.01)
+            >>> row = census.rows()[0]
+            >>> row.dtype, round(row.rel_error, 4)
+            ('fp8', 0.0099)
+        """
+        with torch.no_grad():
+            self._record(cls, out, override, local_floats(ref), ran_in=dtype)
+
+    def _record(self, cls: str, out: Any, override: bool, refs: list[Tensor],
+                ran_in: torch.dtype | None = None) -> None:
         for i, t in enumerate(local_floats(out)):
-            key = (cls, t.dtype, override)
+            key = (cls, ran_in or t.dtype, override)
             self.calls[key] = self.calls.get(key, 0) + 1
             t = t.detach()
             peak = t.abs().amax().float()
             zero = peak.new_zeros(())
             err = ref2 = under = zero
             r = refs[i] if i < len(refs) and refs[i].shape == t.shape else None
-            if r is not None and t.dtype in LOW:
+            if r is not None and (t.dtype in LOW or ran_in is not None):
                 r = r.float()
                 o = t.float()
                 finite = r.isfinite() & o.isfinite()

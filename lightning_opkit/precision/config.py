@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning_opkit.core.checks import check_bools, check_fraction, check_int
 from lightning_opkit.opclass import OP_CLASSES
-from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST
+from lightning_opkit.precision.dtypes import DTYPES, FP8_NEXT, GOVERNED, NAMES, NEVER_CAST
 
 __all__ = ["AUTOCAST_DTYPE", "DEFAULT_RULES", "check_one_low_dtype", "check_policy_args", "initial_table"]
 
@@ -33,11 +33,12 @@ def check_policy_args(rules: Any, default: Any, overrides: Any, tolerance: Any, 
         >>> check_policy_args({"matmul": "half"}, "keep", None, 0.01, {}, {})
         Traceback (most recent call last):
         ...
-        ValueError: `rules['matmul']` is 'half'; expected one of ['fp32', 'bf16', 'fp16', 'keep']
+        ValueError: `rules['matmul']` is 'half'; expected one of ['fp32', 'bf16', 'fp16', 'fp8', 'keep']
     """
-    valid = list(DTYPES)
+    valid = list(NAMES)
     if not isinstance(default, str) or default not in DTYPES:
-        raise ValueError(f"Expected `default` to be one of {valid}, but got {default!r}")
+        raise ValueError(f"Expected `default` to be one of {list(DTYPES)}, but got {default!r}"
+                         + (" ('fp8' is a GEMM dtype: set rules={'matmul': 'fp8'})" if default == "fp8" else ""))
     if rules != "auto" and rules is not None and not isinstance(rules, dict):
         raise ValueError(f"Expected `rules` to be 'auto', a dict of op class -> dtype (for example"
                          f" {{'matmul': 'bf16'}}) or None, but got {rules!r}")
@@ -46,7 +47,7 @@ def check_policy_args(rules: Any, default: Any, overrides: Any, tolerance: Any, 
         raise ValueError(f"Expected `overrides` to be a dict of module glob -> dtype (for example"
                          f" {{'model.head': 'fp32'}}) or None, but got {overrides!r}")
     for key, value in (overrides or {}).items():
-        if not isinstance(key, str) or not isinstance(value, str) or value not in DTYPES:
+        if not isinstance(key, str) or not isinstance(value, str) or value not in NAMES:
             raise ValueError(f"`overrides[{key!r}]` is {value!r}; expected one of {valid}")
     for name, value in counts.items():
         check_int(name, value, 0)
@@ -62,8 +63,13 @@ def _check_rules(rules: dict[Any, Any]) -> None:
                              f" {governed}")
         if not isinstance(key, str) or key not in OP_CLASSES:
             raise ValueError(f"`rules` names unknown op class {key!r}; valid classes are {governed}")
-        if not isinstance(value, str) or value not in DTYPES:
-            raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {list(DTYPES)}")
+        valid = NAMES if key == "matmul" else list(DTYPES)  # float8 is a GEMM dtype
+        if value == "fp8" and key != "matmul":
+            raise ValueError(f"`rules[{key!r}]` is 'fp8': float8 runs the GEMMs of Linear layers, the 'matmul' class"
+                             f" only (rules={{'matmul': 'fp8'}}, or a module override); {key!r} may be one of"
+                             f" {list(DTYPES)}")
+        if not isinstance(value, str) or value not in valid:
+            raise ValueError(f"`rules[{key!r}]` is {value!r}; expected one of {valid}")
 
 
 #: the 16-bit dtype a Trainer precision autocasts to: the one a policy's 16-bit classes must share with it
@@ -138,8 +144,14 @@ def check_one_low_dtype(table: dict[str, str], overrides: dict[str, str], precis
     if autocast is None:
         return
     other = "bf16" if autocast == "fp16" else "fp16"
-    users = [cls for cls, name in table.items() if name == other] + [
-        f"module {path}" for path, name in overrides.items() if name == other]
+
+    def label(what: str, name: str) -> str | None:  # fp8's other ops and the Linears it cannot take run in FP8_NEXT
+        if name == "fp8" and other == FP8_NEXT:
+            return f"{what} (fp8: its other ops in {other})"
+        return what if name == other else None
+
+    users = [u for u in (*(label(c, n) for c, n in table.items()),
+                         *(label(f"module {p}", n) for p, n in overrides.items())) if u is not None]
     if users:
         instead = "'bf16-mixed'" if other == "bf16" else "'16-mixed'"
         raise ValueError(f"PrecisionPolicy runs {users} in {other} while Trainer(precision={precision!r}) autocasts"

@@ -12,19 +12,35 @@ from lightning_opkit.core.dtypes import BY_NAME, cast
 from lightning_opkit.opclass import GOVERNED, NEVER_CAST
 
 #: what the LightningCLI checks at parse time: a typo in a dtype or an op class fails there, naming the value
-DtypeName = Literal["fp32", "bf16", "fp16", "keep"]
+DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "keep"]
 OpClassName = Literal["matmul", "conv", "attention", "norm", "softmax", "activation", "loss", "reduction", "pointwise",
                       "embedding", "rnn"]
 
 #: the policy's dtype names -> dtype (``"keep"``: the op is left alone)
 DTYPES: dict[str, torch.dtype | None] = {**{n: BY_NAME[n] for n in ("fp32", "bf16", "fp16")}, "keep": None}
 LOW = (torch.bfloat16, torch.float16)
+#: ``"fp8"`` is a GEMM dtype (:mod:`~lightning_opkit.precision.fp8`): a Linear's matmul in float8. Every other op of a
+#: class or module set to it, and each Linear float8 cannot take, runs in this dtype: the "next" one down.
+FP8_NEXT = "bf16"
+#: every dtype name a rule or override may give: the cast dtypes, ``"fp8"`` and ``"keep"``
+NAMES = ["fp32", "bf16", "fp16", "fp8", "keep"]
 
-__all__ = ["DTYPES", "GOVERNED", "LOW", "NEVER_CAST", "DtypeName", "OpClassName", "cast", "describe_device",
-           "hardware_note"]
+
+def mode_dtype(name: str) -> torch.dtype | None:
+    """The dtype the policy's mode casts an op to for dtype name ``name`` (``"fp8"``: :data:`FP8_NEXT`'s).
+
+    Example:
+        >>> mode_dtype("fp8"), mode_dtype("keep")
+        (torch.bfloat16, None)
+    """
+    return DTYPES[FP8_NEXT if name == "fp8" else name]
+
+__all__ = ["DTYPES", "FP8_NEXT", "GOVERNED", "LOW", "NAMES", "NEVER_CAST", "DtypeName", "OpClassName", "cast",
+           "describe_device", "hardware_note", "mode_dtype"]
 
 assert set(get_args(OpClassName)) == set(GOVERNED)
-assert set(get_args(DtypeName)) == set(DTYPES)
+assert get_args(DtypeName) == tuple(NAMES)
+assert set(NAMES) == {*DTYPES, "fp8"}
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.opclass import function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
-from lightning_opkit.precision.dtypes import DTYPES, NEVER_CAST, cast
+from lightning_opkit.precision.dtypes import NEVER_CAST, cast, mode_dtype
 
 
 class ModeState:
@@ -38,7 +38,7 @@ class ModeState:
     def set_table(self, table: dict[str, str]) -> None:
         """Replace the class table in place (compiled code guards on its contents and recompiles once)."""
         self.class_dtypes.clear()
-        self.class_dtypes.update({cls: DTYPES[name] for cls, name in table.items()})
+        self.class_dtypes.update({cls: mode_dtype(name) for cls, name in table.items()})
 
 
 _INFO: dict[Any, tuple[str, bool]] = {}

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.deprecations import renamed
-from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
+from lightning_opkit.core.facts import RunFacts, facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.precision.auto import AutoPrecision, Plan
@@ -38,13 +38,23 @@ from lightning_opkit.precision.config import (
 )
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
 from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, DtypeName, OpClassName
+from lightning_opkit.precision.fp8 import (
+    FP8,
+    Float8Linears,
+    Fp8Recipe,
+    check_fp8,
+    fp8_lines,
+    fp8_markdown,
+    fp8_modules,
+    running_in,
+)
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
 from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
-from lightning_opkit.precision.view import ASIDE, policy_markdown, summary_lines, write_census
+from lightning_opkit.precision.view import ASIDE, CHARTS, policy_markdown, record_facts, summary_lines, write_census
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
 
@@ -95,6 +105,8 @@ class PrecisionPolicy(OpkitCallback):
             real training steps: each runs this many steps (they train as usual) and the fastest median trains on;
             0 = take the choice on the measured rows. Not under TorchCompile (each table would recompile) nor with
             gradient accumulation.
+        fp8_recipe: torchao's float8 scaling where a rule or override says ``"fp8"``: ``"tensorwise"`` (one dynamic
+            scale per tensor) or ``"rowwise"`` (one per row: finer, more to compute). See the fp8 section of the page.
         enabled: attach the callback; ``False`` (or its area, ``precision``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
@@ -124,6 +136,7 @@ class PrecisionPolicy(OpkitCallback):
         measure: bool = True,
         whole_step: bool = True,
         trial_rounds: int = 2,
+        fp8_recipe: Fp8Recipe = "tensorwise",
         enabled: bool = True,
         log_dir: Optional[str] = None,
         modules: Optional[dict[str, DtypeName]] = None,
@@ -140,6 +153,7 @@ class PrecisionPolicy(OpkitCallback):
                           counts=dict(census_every_n_steps=census_every_n_steps,
                                       remeasure_every_n_steps=remeasure_every_n_steps, trial_rounds=trial_rounds),
                           flags=dict(measure=measure, whole_step=whole_step))
+        check_fp8(rules, overrides, fp8_recipe)
         self.rules: str | dict[str, str] | None = "auto" if rules == "auto" else (
             dict(rules) if rules is not None else None)  # type: ignore[arg-type]
         self.default = default
@@ -160,6 +174,9 @@ class PrecisionPolicy(OpkitCallback):
         #: with ``rules="auto"``: op class -> the decision and its evidence
         self.decisions: dict[str, Decision] = {}
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
+        self.fp8_recipe = fp8_recipe
+        #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
+        self.fp8 = Float8Linears(fp8_recipe, census=lambda: self._governor.state.census)
 
         self._governor = StepGovernor(self.table)
         #: modules pinned at run time (``pin``, a NaN repair) -> dtype
@@ -216,7 +233,7 @@ class PrecisionPolicy(OpkitCallback):
             module: a submodule of the model this policy is attached to, or ``None``.
             dtype: the dtype name.
         """
-        return self._governor.running_in(module, dtype)
+        return running_in(self.fp8, self._governor, module, dtype)
 
     def pin(self, name: str, module: torch.nn.Module, dtype: DtypeName) -> None:
         """From now on every op inside ``module`` runs in ``dtype``: a module override added at run time.
@@ -229,6 +246,8 @@ class PrecisionPolicy(OpkitCallback):
             module: the module.
             dtype: the dtype name.
         """
+        for converted in self.fp8.inside(module):
+            self.fp8.revert(converted)  # a float8 GEMM pinned back to the dtype asked
         self._governor.hold_override(self._patches, module, DTYPES[dtype])
         self._governor.pinned = True
         self.pinned[name] = dtype
@@ -239,13 +258,7 @@ class PrecisionPolicy(OpkitCallback):
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The census charts (error, underflow, fp16 headroom, calls) and what measuring cost."""
-        return {"opkit precision": {
-            "16-bit output error vs fp32 recompute (relative)": ["Multiline", [r"opkit/precision/[a-z]+/rel_error"]],
-            "16-bit outputs lost to underflow (fraction)": ["Multiline", [r"opkit/precision/[a-z]+/underflow_frac"]],
-            "fp16 headroom to overflow (bits)": ["Multiline", [r"opkit/precision/[a-z]+/headroom_bits"]],
-            "calls per census step": ["Multiline", [r"opkit/precision/[a-z]+/calls"]],
-            "measurement time (s)": ["Multiline", [r"opkit/precision/measure_s"]],
-        }}
+        return {"opkit precision": dict(CHARTS)}
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
@@ -253,6 +266,7 @@ class PrecisionPolicy(OpkitCallback):
         lines = summary_lines(self.table, self.decisions, overrides, self._governor.autocast, self._passthrough,
                               self._auto if self.auto else None)
         again = self.decision_as_arguments()
+        lines += fp8_lines(self.fp8, self.auto)
         return lines + ([f"  to run this decision again without measuring: {again}"] if again else [])
 
     # lifecycle
@@ -272,7 +286,13 @@ class PrecisionPolicy(OpkitCallback):
         keep_out_of_dynamo_frames()
         hold_rnn_input_casts(self._patches, pl_module)
         for name, module in matched:
-            self._governor.hold_override(self._patches, module, DTYPES[match_rule(name, self.overrides)])  # type: ignore[index]
+            rule = match_rule(name, self.overrides)
+            # an fp8 override is about its Linears' GEMMs: its other ops run as their class rules say
+            self._governor.hold_override(self._patches, module, None if rule == FP8 else DTYPES[rule])  # type: ignore[index]
+        self.fp8.reset()
+        self.fp8.device = trainer.strategy.root_device
+        for by_override, modules in fp8_modules(pl_module, self.table, self.overrides).items():
+            self.fp8.convert(modules, self.fp8.device, by_override)
         for method in _STEP_METHODS:
             # Lightning runs a validation/test loop only if the user overrode its step: a wrapper must not look like
             # an override of a method the user never wrote (predict_step's default does run, so it is governed).
@@ -298,6 +318,7 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._originals.clear()
+        self.fp8.restore()
         self.pinned.clear()
         self._governor.pinned = False
         self._governor.clear()
@@ -326,22 +347,10 @@ class PrecisionPolicy(OpkitCallback):
 
     def _record_facts(self) -> None:
         """Tell the kit what runs in which dtype, what was measured, and why a class stays in fp32."""
-        facts = self._facts
-        if facts is None:
-            return
-        facts.dtypes = {c: d for c, d in self.table.items() if c in GOVERNED and d != "keep"}
-        facts.kept_fp32 = {c: (self.decisions[c].reason if c in self.decisions else "set to fp32 by its rules")
-                           for c, d in facts.dtypes.items() if d == "fp32"}
-        measured = self.measurements
-        if measured is None:
-            return
-        source = ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") + \
-            f" at step {self._measured_at}"
-        for row in measured:
-            if row.time_ratio is not None and not row.failed:
-                facts.speeds[(row.op_class, row.dtype)] = SpeedFact(
-                    row.op_class, row.dtype, row.time_ratio, "this model's ops at the shapes of its first training"
-                    " step, forward + backward, input casts included", source)
+        if self._facts is not None:
+            record_facts(self._facts, self.table, self.decisions, self.measurements,
+                         ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") +
+                         f" at step {self._measured_at}")
 
     # the decision kept across a resume
 
@@ -429,8 +438,8 @@ class PrecisionPolicy(OpkitCallback):
     def _log_table(self, step: int) -> None:
         if self._writer is not None:
             self._writer.text("opkit/precision/policy", policy_markdown(self.table, self.decisions, self.overrides,
-                                                                        waiting=self.auto and not self.decisions),
-                              step)
+                                                                        waiting=self.auto and not self.decisions)
+                              + fp8_markdown(self.fp8), step)
 
     def _log_decision(self, step: int) -> None:
         if self._writer is None or self._auto.measurements is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_opkit.core.facts import RunFacts, SpeedFact
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.warn import warn_once
@@ -11,8 +12,18 @@ from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import GOVERNED
+from lightning_opkit.precision.results import PrecisionMeasurements
 
-__all__ = ["ASIDE", "policy_markdown", "summary_lines", "write_census"]
+__all__ = ["ASIDE", "CHARTS", "policy_markdown", "record_facts", "summary_lines", "write_census"]
+
+#: the policy's TensorBoard charts: census error, underflow, fp16 headroom, calls, and what measuring cost
+CHARTS: dict[str, list[Any]] = {
+    "16-bit output error vs fp32 recompute (relative)": ["Multiline", [r"opkit/precision/[a-z]+/rel_error"]],
+    "16-bit outputs lost to underflow (fraction)": ["Multiline", [r"opkit/precision/[a-z]+/underflow_frac"]],
+    "fp16 headroom to overflow (bits)": ["Multiline", [r"opkit/precision/[a-z]+/headroom_bits"]],
+    "calls per census step": ["Multiline", [r"opkit/precision/[a-z]+/calls"]],
+    "measurement time (s)": ["Multiline", [r"opkit/precision/measure_s"]],
+}
 
 ASIDE = "nothing lowered on this fp32 model: the policy stands aside (the model runs as written, no census)"
 
@@ -92,3 +103,24 @@ def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrid
     if passthrough:
         lines.append(f"  {ASIDE}")
     return lines
+
+
+def record_facts(facts: RunFacts, table: dict[str, str], decisions: dict[str, Decision],
+                 measured: PrecisionMeasurements | None, source: str) -> None:
+    """Tell the kit what runs in which dtype, what was measured (and by whom), and why a class stays in fp32.
+
+    Args:
+        facts: the run's facts.
+        table: op class -> dtype name.
+        decisions: ``rules="auto"``'s decisions, by class.
+        measured: the last measurements, if any.
+        source: who measured, and when (``"PrecisionPolicy(rules='auto') at step 0"``).
+    """
+    facts.dtypes = {c: d for c, d in table.items() if c in GOVERNED and d != "keep"}
+    facts.kept_fp32 = {c: (decisions[c].reason if c in decisions else "set to fp32 by its rules")
+                       for c, d in facts.dtypes.items() if d == "fp32"}
+    for row in measured or []:
+        if row.time_ratio is not None and not row.failed:
+            facts.speeds[(row.op_class, row.dtype)] = SpeedFact(
+                row.op_class, row.dtype, row.time_ratio, "this model's ops at the shapes of its first training"
+                " step, forward + backward, input casts included", source)

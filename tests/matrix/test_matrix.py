@@ -22,6 +22,7 @@ A few cases run TorchCompile's Inductor backend (marked slow).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import lightning.pytorch as pl
@@ -42,6 +43,7 @@ from lightning_opkit import (
     ProfilerWindows,
     TorchCompile,
 )
+from lightning_opkit.precision.fp8 import gemm_dims
 
 STEPS, FAULT, SAVE = 6, 2, 4
 
@@ -77,7 +79,7 @@ class Losses(pl.Callback):
 AREA = {"P": "precision", "N": "nan", "W": "profiler", "C": "compile", "A": "checkpointing"}
 
 
-def _callbacks(case: Case, letters: str, backend: str = "eager") -> list[pl.Callback]:
+def _callbacks(case: Case, letters: str, backend: str = "eager", fp8: bool = False) -> list[pl.Callback]:
     blocks = ["model." + ZOO[case.model].blocks]
     made: list[pl.Callback] = []
     for letter in letters:
@@ -85,7 +87,8 @@ def _callbacks(case: Case, letters: str, backend: str = "eager") -> list[pl.Call
         # manual)
         kw = dict(enabled=False) if letter == case.off and case.optimization == "automatic" else {}
         if letter == "P":
-            made.append(PrecisionPolicy(census_every_n_steps=3, **kw))  # the default table
+            # the default table, or its GEMMs in float8
+            made.append(PrecisionPolicy(census_every_n_steps=3, rules={"matmul": "fp8"} if fp8 else None, **kw))
         elif letter == "N":
             made.append(NaNDetector(action="skip", **kw))
         elif letter == "W":
@@ -168,11 +171,11 @@ def _check_files(root, case: Case) -> None:
         assert not [t for t in tags if t.startswith(tuple(f"opkit/{a}/" for a in areas))], tags
 
 
-def _check(tmp_path, case: Case, backend: str = "eager") -> None:
+def _check(tmp_path, case: Case, backend: str = "eager", fp8: bool = False) -> None:
     batches = list(ZooModule(case.model).loader(n=64))[:STEPS]
     detecting = "N" in case.active
     faults = {"forward": FAULT} if detecting else None
-    callbacks = _callbacks(case, case.callbacks, backend)
+    callbacks = _callbacks(case, case.callbacks, backend, fp8)
     logger = TensorBoardLogger(str(tmp_path / "run")) if case.logging == "tensorboard" else False
     model, trainer, losses = _fit(tmp_path / "run", case, callbacks, batches, STEPS, faults, save=tmp_path / "mid.ckpt",
                                   logger=logger)
@@ -183,6 +186,11 @@ def _check(tmp_path, case: Case, backend: str = "eager") -> None:
     assert sorted(losses) == list(range(STEPS))
     assert all(math.isfinite(v) for b, v in losses.items() if not (detecting and b == FAULT)), losses
 
+    if fp8:  # every GEMM of the model ran in float8, whatever else was attached
+        policy = next(c for c in callbacks if isinstance(c, PrecisionPolicy))
+        assert policy.fp8.converted
+        assert not policy.fp8.skipped
+        assert sum(1 for m in model.modules() if gemm_dims(m) is not None) == len(policy.fp8.converted)
     if detecting:
         detector = next(c for c in callbacks if isinstance(c, NaNDetector))
         assert [(e["step"], e["phase"], e["module"], e["cause"], e["action"]) for e in detector.events] == [
@@ -193,14 +201,15 @@ def _check(tmp_path, case: Case, backend: str = "eager") -> None:
     # the same weights as a run that never saw the poisoned batch, with only what changes numerics attached
     kept = [b for i, b in enumerate(batches) if not (detecting and i == FAULT)]
     numerics = "P" if "P" in case.active else ""
-    reference, _, reference_losses = _fit(tmp_path / "reference", case, _callbacks(case, numerics), kept, len(kept))
+    reference, _, reference_losses = _fit(tmp_path / "reference", case, _callbacks(case, numerics, fp8=fp8), kept,
+                                          len(kept))
     how = "inductor" if backend == "inductor" else "compiled policy" if {"P", "C"} <= set(case.active) else "exact"
     _same(model, reference, how, batches[0])
     ours = [v for b, v in sorted(losses.items()) if not (detecting and b == FAULT)]
     _same_losses(ours, [v for _, v in sorted(reference_losses.items())], how)
 
     # resumed from the mid-run checkpoint with fresh callbacks: the same end
-    resumed, resumed_trainer, _ = _fit(tmp_path / "resumed", case, _callbacks(case, case.callbacks, backend),
+    resumed, resumed_trainer, _ = _fit(tmp_path / "resumed", case, _callbacks(case, case.callbacks, backend, fp8),
                                        batches[SAVE:], STEPS, faults, ckpt=tmp_path / "mid.ckpt")
     assert resumed_trainer.global_step == STEPS
     _same(resumed, model, "inductor" if backend == "inductor" else "exact", batches[0])
@@ -215,6 +224,21 @@ def _switch(monkeypatch, case: Case) -> None:
 def test_combination(tmp_path, monkeypatch, case):
     _switch(monkeypatch, case)
     _check(tmp_path, case)
+
+
+#: the policy with its GEMMs in float8, once per callback set that has it (every callback on), on the zoo's Llama and
+#: GPT-2 (their GEMMs all take float8); under 16-mixed a bf16 glue beside fp16 autocast is refused, so those cases run
+#: bf16-mixed
+FP8 = [dataclasses.replace(c, model=("hf_llama", "hf_gpt2")[i % 2],
+                           precision="bf16-mixed" if c.precision == "16-mixed" else c.precision)
+       for i, c in enumerate({c.callbacks: c for c in reversed(CASES) if "P" in c.callbacks and c.switch == "on"}
+                             .values())]
+
+
+@pytest.mark.parametrize("case", FP8, ids=[c.id for c in FP8])
+def test_combination_with_fp8_gemms(tmp_path, monkeypatch, case):
+    _switch(monkeypatch, case)
+    _check(tmp_path, case, fp8=True)
 
 
 SLOW = [c for c in CASES if c.callbacks == "PNWCA"][:2] + [c for c in CASES if c.callbacks == "CA"][:1]

@@ -1,0 +1,403 @@
+"""float8 GEMMs for the policy's ``"fp8"``: a module's ``forward`` patched in place to torchao's float8 matmul.
+
+torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` modules for ``Float8Linear`` ones. The kit patches the
+module's ``forward`` instead, so the module stays the same object: hooks (NaNDetector's, the policy's overrides),
+TorchCompile's and ActivationCheckpointing's patches, the optimizer's parameters and ``state_dict`` keys are those of
+the plain model, and teardown restores the forward. The GEMM is torchao's (``matmul_with_hp_or_float8_args``: dynamic
+scaling, e4m3 forward, e5m2 gradients), the recipe one of its named ones (``"tensorwise"``, ``"rowwise"``).
+
+Besides ``nn.Linear``, Hugging Face's ``Conv1D`` (GPT-2's projections: ``x @ weight + bias``, the weight stored
+transposed) is taken too; torchao's conversion leaves those out.
+
+A module torchao cannot take stays in the class's next dtype and is named once: a dimension not a multiple of 16
+(float8 GEMMs need it), or a CUDA device without float8 Tensor Cores (compute capability below 8.9). On a CPU torch
+runs float8 GEMMs without float8 units: they train (every test of the kit runs there), they are not faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_opkit.core.checks import check_choice
+from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.select import match_rule
+from lightning_opkit.core.suspend import SUSPENDED
+from lightning_opkit.core.text import markdown_table
+
+__all__ = ["EXTRA", "FP8", "Float8Linears", "Fp8Recipe", "check_fp8", "fp8_lines", "fp8_markdown", "fp8_modules",
+           "fp8_unit_note", "gemm_dims", "gemm_function", "recipe_problem", "require_torchao", "running_in",
+           "torchao_missing", "torchao_problem"]
+
+#: the policy's dtype name for float8 GEMMs
+FP8 = "fp8"
+#: how a user gets torchao
+EXTRA = "pip install 'lightning_opkit[fp8]'"
+#: torchao's named recipes: one scale per tensor, or per row (finer, slower to scale)
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+#: the dtype a Linear float8 cannot take runs in (the policy's :data:`~lightning_opkit.precision.dtypes.FP8_NEXT`)
+FP8_NEXT_NAME = "bf16"
+#: the dtype a census counts float8 GEMMs under
+CENSUS_DTYPE = torch.float8_e4m3fn
+
+
+def torchao_missing() -> bool:
+    """Whether torchao is not installed here (nothing imported to tell)."""
+    try:
+        return importlib.util.find_spec("torchao") is None
+    except ValueError:  # sys.modules["torchao"] is None: an import that must fail
+        return True
+
+
+@functools.cache
+def torchao_problem() -> str | None:
+    """Why torchao's float8 training cannot be used here (not installed, or not importable with this torch), or None.
+
+    Example:
+        >>> torchao_problem() is None or "torchao" in torchao_problem()
+        True
+    """
+    if torchao_missing():
+        return f"torchao is not installed: {EXTRA}"
+    try:
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
+    except Exception as err:  # a torchao built for another torch: its import fails on what this torch lacks
+        from importlib.metadata import version
+
+        return (f"torchao {version('torchao')} does not import with torch {torch.__version__}"
+                f" ({type(err).__name__}: {str(err).splitlines()[0][:160]}); install a torchao built for it")
+    return None
+
+
+def require_torchao(owner: str, where: str) -> None:
+    """Raise at construction when ``"fp8"`` is asked for without torchao, naming the extra that brings it.
+
+    Args:
+        owner: the callback, for the message.
+        where: which argument asked for fp8.
+    """
+    problem = torchao_problem()
+    if problem is not None:
+        raise ImportError(f"{owner}({where}) runs float8 GEMMs through torchao: {problem}")
+
+
+def check_fp8(rules: Any, overrides: Any, recipe: Any) -> None:
+    """Raise for a bad ``fp8_recipe``, or for ``"fp8"`` asked for without torchao (after the rules were checked).
+
+    Example:
+        >>> check_fp8({"matmul": "bf16"}, None, "columnwise")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `fp8_recipe` to be one of ['tensorwise', 'rowwise'], but got 'columnwise'
+    """
+    check_choice("fp8_recipe", recipe, ["tensorwise", "rowwise"])
+    if isinstance(rules, dict) and rules.get("matmul") == FP8:
+        require_torchao("PrecisionPolicy", "rules={'matmul': 'fp8'}")
+    asked = [k for k, v in (overrides or {}).items() if v == FP8]
+    if asked:
+        require_torchao("PrecisionPolicy", f"overrides={{{asked[0]!r}: 'fp8'}}")
+
+
+def fp8_modules(model: nn.Module, table: dict[str, str],
+                overrides: dict[str, str]) -> dict[bool, list[tuple[str, nn.Module]]]:
+    """The GEMM modules to run in float8, by whether a module override asked (else the matmul class rule).
+
+    The innermost module with an override decides for a Linear (itself included), as for every other op; without
+    one, the ``matmul`` rule.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16)))
+        >>> picked = fp8_modules(model, {"matmul": "fp8"}, {"1": "fp32"})
+        >>> [n for n, _ in picked[False]], picked[True]
+        (['0'], [])
+    """
+    picked: dict[bool, list[tuple[str, nn.Module]]] = {False: [], True: []}
+    for name, module in model.named_modules():
+        if gemm_dims(module) is None:
+            continue
+        parts = name.split(".")
+        rule = next((r for i in range(len(parts), 0, -1)
+                     if (r := match_rule(".".join(parts[:i]), overrides)) is not None), None) if overrides else None
+        if (rule if rule is not None else table.get("matmul")) == FP8:
+            picked[rule is not None].append((name, module))
+    return picked
+
+
+def gemm_dims(module: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` features of a module fp8 can run (an ``nn.Linear`` or Hugging Face's ``Conv1D``), else ``None``.
+
+    Example:
+        >>> gemm_dims(nn.Linear(32, 48)), gemm_dims(nn.ReLU())
+        ((32, 48), None)
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int) and \
+            isinstance(weight, Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def fp8_unit_note(device: torch.device | str) -> str:
+    """Why float8 GEMMs cannot be fast on ``device`` (``""`` where they can: CUDA compute capability 8.9 or more).
+
+    Example:
+        >>> fp8_unit_note("cpu")
+        'a CPU has no float8 GEMM units (torch runs them there, slower than bf16)'
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        return "" if (major, minor) >= (8, 9) else f"no float8 Tensor Cores (compute capability {major}.{minor} < 8.9)"
+    return f"a {device.type.upper()} has no float8 GEMM units (torch runs them there, slower than bf16)"
+
+
+@functools.cache
+def gemm_function(recipe: str) -> tuple[Any, Any, Any]:
+    """The float8 matmul of torchao, its config for ``recipe``, and the GEMM configs it builds from that config."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    with torch.device("meta"):  # only for torchao's GEMM configs, built from the recipe as it builds them
+        mm_config = Float8Linear(16, 16, bias=False, config=config).linear_mm_config
+    return matmul_with_hp_or_float8_args, config, mm_config
+
+
+@functools.cache
+def recipe_problem(recipe: str, device_type: str) -> str | None:
+    """Why this torch runs no float8 GEMM of ``recipe`` on ``device_type``, or ``None``.
+
+    One 16x16 GEMM and its backward, tried once per process. On a CPU, rowwise scaling needs torch 2.13 or later
+    (2.11 runs per-tensor scales only there).
+    """
+    mm, config, mm_config = gemm_function(recipe)
+    try:
+        x = torch.randn(16, 16, device=device_type, requires_grad=True)
+        w = torch.randn(16, 16, device=device_type, requires_grad=True)
+        with SUSPENDED.scope(), autocast_off():
+            mm.apply(x, w.t(), mm_config, config).sum().backward()
+    except Exception as err:  # the kernel this torch lacks for this recipe and device
+        return (f"torch {torch.__version__} runs no {recipe} float8 GEMM on a {device_type.upper()}"
+                f" ({str(err).splitlines()[0][:120]})")
+    return None
+
+
+_NOT_A_GEMM = "not a Linear"
+
+
+def refusal(module: nn.Module, device: torch.device) -> str | None:
+    """Why ``module`` cannot run its GEMM in float8 here, or ``None`` if it can."""
+    dims = gemm_dims(module)
+    if dims is None:
+        return _NOT_A_GEMM
+    if any(d % 16 for d in dims):
+        return f"{dims[0]}x{dims[1]}: float8 GEMMs need dimensions that are multiples of 16"
+    if device.type == "cuda" and fp8_unit_note(device):
+        return fp8_unit_note(device)
+    return None
+
+
+class Float8Linears:
+    """The modules whose GEMM runs in float8, their patched forwards, and the ones left out (with why).
+
+    Args:
+        recipe: torchao's scaling recipe.
+        census: returns the census of a census step (``None`` otherwise): fp8 calls are counted there, with their
+            error against an fp32 recompute.
+
+    Example:
+        >>> fp8 = Float8Linears("tensorwise", census=lambda: None)
+        >>> model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10))
+        >>> fp8.convert(list(model.named_children()), torch.device("cpu"))
+        >>> fp8.converted, fp8.skipped
+        (['0'], {'1': '32x10: float8 GEMMs need dimensions that are multiples of 16'})
+        >>> fp8.restore(); "forward" in vars(model[0])
+        False
+    """
+
+    def __init__(self, recipe: Fp8Recipe, census: Callable[[], Any]) -> None:
+        self.recipe = recipe
+        self.census = census
+        #: the paths of the modules running float8 GEMMs (after teardown: those that ran them in the last fit)
+        self.converted: list[str] = []
+        #: module path -> why it was left in the class's next dtype
+        self.skipped: dict[str, str] = {}
+        #: the converted modules a module override asked for (the rest: the matmul class rule)
+        self.by_override: set[str] = set()
+        self._live: dict[str, nn.Module] = {}
+        self._patches: dict[str, Patches] = {}
+        self._plain: set[nn.Module] = set()
+        self._all_plain = 0
+        #: where the modules run (set at setup)
+        self.device = torch.device("cpu")
+
+
+    def convert(self, modules: list[tuple[str, nn.Module]], device: torch.device, override: bool = False) -> None:
+        """Run each of ``modules`` (path, module) that float8 can take in float8, until :meth:`restore`.
+
+        Args:
+            modules: ``(path, module)`` pairs; those that are not Linears are left out silently.
+            device: where they run.
+            override: whether a module override asked (else the class rule).
+        """
+        problem = recipe_problem(self.recipe, device.type) if modules else None
+        for name, module in modules:
+            if name in self._live:
+                continue
+            why = refusal(module, device) or problem
+            if why == _NOT_A_GEMM:
+                continue
+            if why is not None:
+                self.skipped[name] = why
+                continue
+            own = self._patches[name] = Patches()
+            own.set(module, "forward", self._forward(name, module))
+            if override:
+                self.by_override.add(name)
+            self._live[name] = module
+            self.converted.append(name)
+
+    def revert(self, name: str) -> bool:
+        """Run module ``name`` (a converted one) as written from now on: a NaN repair's pin. Whether it was."""
+        if self._live.pop(name, None) is None:
+            return False
+        self._patches.pop(name).restore()
+        self.converted.remove(name)
+        return True
+
+    def inside(self, module: nn.Module) -> list[str]:
+        """The converted modules at or under ``module``."""
+        within = {id(m) for m in module.modules()}
+        return [n for n, m in self._live.items() if id(m) in within]
+
+    @contextlib.contextmanager
+    def plain(self, module: nn.Module | None) -> Iterator[None]:
+        """Inside, the converted modules at or under ``module`` (``None``: all) run as written: a replay's dtypes."""
+        if module is None:
+            self._all_plain += 1
+            try:
+                yield
+            finally:
+                self._all_plain -= 1
+            return
+        added = {self._live[n] for n in self.inside(module)} - self._plain
+        self._plain |= added
+        try:
+            yield
+        finally:
+            self._plain -= added
+
+    def restore(self) -> None:
+        """Every converted module runs as written again (teardown, an exception); what ran stays readable."""
+        for own in self._patches.values():
+            own.restore()
+        self._live.clear()
+        self._patches.clear()
+        self._plain.clear()
+
+    def reset(self) -> None:
+        """Restore, and forget what ran (a new setup decides again)."""
+        self.restore()
+        self.converted.clear()
+        self.by_override.clear()
+        self.skipped.clear()
+
+    def _forward(self, name: str, gemm: nn.Module) -> Callable[..., Tensor]:
+        mm, config, mm_config = gemm_function(self.recipe)
+        module: Any = gemm  # an nn.Linear or a Conv1D: a weight and a bias
+        transposed = isinstance(module, nn.Linear)  # Conv1D stores (in, out): already the GEMM's right operand
+        plain_forward = type(module).forward.__get__(module)
+
+        def forward(input: Tensor) -> Tensor:
+            if self._all_plain or module in self._plain:
+                return plain_forward(input)
+            device = input.device.type
+            if torch.is_autocast_enabled(device):
+                input = input.to(torch.get_autocast_dtype(device))  # as autocast would hand a GEMM its input
+            weight = module.weight.t() if transposed else module.weight
+            # the policy's mode stands aside: torchao's scaling ops are not the model's ops to cast
+            with SUSPENDED.scope(), autocast_off():
+                out = mm.apply(input, weight, mm_config, config)
+                if module.bias is not None:
+                    out = out + module.bias.to(out.dtype)
+            census = self.census()
+            if census is not None:
+                with torch.no_grad(), SUSPENDED.scope(), autocast_off():
+                    ref = F.linear(input.float(), (module.weight if transposed else module.weight.t()).float(),
+                                   None if module.bias is None else module.bias.float())
+                census.record_as("matmul", CENSUS_DTYPE, out, name in self.by_override, ref)
+            return out
+
+        return forward
+
+
+@contextlib.contextmanager
+def running_in(fp8: Float8Linears, governor: Any, module: nn.Module | None, dtype: str) -> Iterator[None]:
+    """Inside, every op in ``module`` (``None``: the whole step) runs in ``dtype``, its float8 GEMMs included.
+
+    Args:
+        fp8: the policy's float8 modules (those at or under ``module`` run as written inside).
+        governor: the policy's :class:`~lightning_opkit.precision.governor.StepGovernor`.
+        module: the module, or ``None``.
+        dtype: the dtype name.
+    """
+    with fp8.plain(module), governor.running_in(module, dtype):
+        yield
+
+
+def fp8_lines(fp8: Float8Linears, auto: bool) -> list[str]:
+    """The run summary's float8 lines: what ran in float8, what could not and why; under ``"auto"``, why not tried.
+
+    Example:
+        >>> print(fp8_lines(Float8Linears("tensorwise", census=lambda: None), auto=True)[0])
+          fp8: not tried by rules='auto' (a CPU has no float8 GEMM units (torch runs them there, slower than bf16))
+    """
+    lines = []
+    if fp8.converted:
+        lines.append(f"  fp8: {len(fp8.converted)} GEMM module(s) in float8 ({fp8.recipe} scaling, torchao)")
+    if fp8.skipped:
+        left = ", ".join(f"{n} ({why})" for n, why in sorted(fp8.skipped.items())[:6])
+        more = f", and {len(fp8.skipped) - 6} more" if len(fp8.skipped) > 6 else ""
+        lines.append(f"  fp8: left in {FP8_NEXT_NAME}: {left}{more}")
+    if auto:
+        lines.append(f"  fp8: not tried by rules='auto' ({auto_fp8_note(fp8.device)})")
+    return lines
+
+
+def fp8_markdown(fp8: Float8Linears) -> str:
+    """The float8 section of ``opkit/precision/policy``: each module in float8 or left out, and why (``""``: none).
+
+    Example:
+        >>> fp8 = Float8Linears("rowwise", census=lambda: None)
+        >>> fp8.convert([("head", nn.Linear(32, 3))], torch.device("cpu"))
+        >>> print(fp8_markdown(fp8))
+        <BLANKLINE>
+        <BLANKLINE>
+        **float8 GEMMs** (rowwise scaling, torchao):
+        <BLANKLINE>
+        | module | runs in | why |
+        |---|---|---|
+        | head | bf16 | 32x3: float8 GEMMs need dimensions that are multiples of 16 |
+    """
+    if not (fp8.converted or fp8.skipped):
+        return ""
+    rows = [[n, "fp8", "module override" if n in fp8.by_override else "matmul rule"] for n in fp8.converted]
+    rows += [[n, FP8_NEXT_NAME, why] for n, why in fp8.skipped.items()]
+    return (f"\n\n**float8 GEMMs** ({fp8.recipe} scaling, torchao):\n\n"
+            + markdown_table(["module", "runs in", "why"], rows))
+
+
+def auto_fp8_note(device: torch.device) -> str:
+    """Why ``rules="auto"`` does not try float8 here."""
+    return fp8_unit_note(device) or torchao_problem() or (
+        "measuring float8 per module is not built yet: set it with rules or overrides")
