@@ -65,3 +65,14 @@ def test_layout_harness_prints_the_roofline_fact_beside_the_whole_step_ratio():
     assert float(rows[0][1]) > 0
     assert float(rows[0][4]) > 0
     assert re.search(r"^machine: .+, \d+ threads, torch ", out, re.M)
+
+
+def test_fp8_harness_prints_each_dtype_against_fp32():
+    script = os.path.join(os.path.dirname(SCRIPT), "fp8.py")
+    out = subprocess.run([sys.executable, script, "--width", "32", "--tokens", "16", "--reps", "1", "--calls", "1"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = re.findall(r"^\s+(.+?)\s+([\d.]+) ms/step\s+time ratio vs fp32: ([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["fp32", "bf16 (autocast)", "fp8 (tensorwise)"]
+    assert float(rows[0][2]) == 1.0
+    assert all(float(r[1]) > 0 for r in rows)
+    assert re.search(r"^fp8 / bf16: [\d.]+ \(above 1: fp8 slower\)$", out, re.M)
