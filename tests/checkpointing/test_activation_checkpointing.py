@@ -303,3 +303,31 @@ def test_a_recompute_stopped_early_inside_a_compiled_region_leaves_autocast_as_i
     _fit(tmp_path, "hf_gpt2", callbacks, steps=4, precision=precision)
     assert _autocast_level() == 0
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_price_is_measured_after_three_warm_up_steps_and_on_a_resumed_run(tmp_path):
+    class Arms(pl.Callback):  # which steps ran with checkpointing on: a block's forward patched and enabled
+        def __init__(self, callback):
+            self.callback, self.seen = callback, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append((trainer.global_step, [r.enabled for r in self.callback._regions]))
+
+    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure_steps=2)
+    arms = Arms(checkpointing)
+    _fit(tmp_path / "first", "hf_gpt2", [checkpointing, arms], steps=8)
+    assert checkpointing.price is not None
+    # three warm-up steps with it, then with, without, without, with; then on with it
+    assert [all(e) for _, e in arms.seen] == [True, True, True, True, False, False, True, True]
+    # a run resumed past those steps measures at its own start, as a fresh one does
+    model = build("hf_gpt2")
+    first = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    first.fit(model, model.loader(n=48))
+    first.save_checkpoint(tmp_path / "at10.ckpt")
+    resumed = ActivationCheckpointing(modules=["model.transformer.h.*"], measure_steps=1)
+    again = pl.Trainer(accelerator="cpu", max_steps=15, logger=False, enable_checkpointing=False, callbacks=[resumed],
+                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    again.fit(build("hf_gpt2"), model.loader(n=48), ckpt_path=str(tmp_path / "at10.ckpt"))
+    assert resumed.price is not None
+    assert resumed.price.saved_with < resumed.price.saved_without
