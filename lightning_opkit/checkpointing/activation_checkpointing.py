@@ -23,7 +23,9 @@ from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
+from lightning_opkit.core.torch_compat import COMPILES_UNDER_SELECTIVE_CHECKPOINT
 from lightning_opkit.core.trial import WARMUP, Trial
+from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES
 
 __all__ = ["ActivationCheckpointing", "Price"]
@@ -166,7 +168,12 @@ class ActivationCheckpointing(OpkitCallback):
             return
         targets, self._found = self._found, []
         self._regions = []
-        eager_backend = any(c.backend == "eager" for c in offering(trainer, CompilesRegions))
+        compilers = list(offering(trainer, CompilesRegions))
+        eager_backend = any(c.backend == "eager" for c in compilers)
+        if self.save and compilers and not COMPILES_UNDER_SELECTIVE_CHECKPOINT:
+            warn_once(f"ActivationCheckpointing(save={self.save}) beside TorchCompile: on torch {torch.__version__}"
+                      " dynamo compiles nothing inside a selective checkpoint, so the checkpointed blocks run eagerly"
+                      " there. Use save=None (full checkpointing), or torch 2.11 or later.")
         self.untraced = []
         for name, module in targets:
             region = CheckpointedForward(module, module.forward, tuple(self.save or ()))

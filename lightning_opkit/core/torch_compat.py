@@ -18,7 +18,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 #: or differed from eager by 1.6e-4; 2.11 and later pass (2.10 was not run)
 FUNCTION_MODES_UNDER_AOT = torch.__version__ >= "2.11"
 
-__all__ = ["FUNCTION_MODES_UNDER_AOT", "cpu_memory_events", "events_with_dtypes", "outside_dispatch_modes"]
+#: whether dynamo compiles a region that runs inside a selective activation checkpoint (its dispatch mode active): on
+#: 2.9.1 it compiled nothing there, and the region ran eagerly (0 graphs); 2.11 and later compile it (2.10 not run)
+COMPILES_UNDER_SELECTIVE_CHECKPOINT = torch.__version__ >= "2.11"
+
+__all__ = ["COMPILES_UNDER_SELECTIVE_CHECKPOINT", "FUNCTION_MODES_UNDER_AOT", "cpu_memory_events",
+           "events_with_dtypes", "outside_dispatch_modes"]
 
 
 @contextlib.contextmanager
