@@ -449,11 +449,10 @@ def check_fp8(c: Check, root: str) -> None:
     policies: dict[str, PrecisionPolicy] = {}
     for name in ("bf16", "fp8", "fp8 again", "bf16 again"):
         counter = SyncCount(start=4)
-        policy = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=0, measure=False)
         callbacks: list[pl.Callback] = [counter, TorchCompile(modules=["blocks.*"], measure=False)]
         if name.startswith("fp8"):
-            callbacks.append(policy)
-            policies[name] = policy
+            policies[name] = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=0, measure=False)
+            callbacks.append(policies[name])
         fit(RoutedLM(**shape), callbacks, 14, os.path.join(root, name), precision="bf16-mixed")
         runs[name] = counter
     policy = policies["fp8"]

@@ -203,9 +203,7 @@ def refusal(module: nn.Module, device: torch.device) -> str | None:
         return _NOT_A_GEMM
     if any(d % 16 for d in dims):
         return f"{dims[0]}x{dims[1]}: float8 GEMMs need dimensions that are multiples of 16"
-    if device.type == "cuda" and fp8_unit_note(device):
-        return fp8_unit_note(device)
-    return None
+    return (fp8_unit_note(device) or None) if device.type == "cuda" else None
 
 
 class Float8Linears:
