@@ -52,7 +52,8 @@ TAGS: tuple[Tag, ...] = (
     Tag("opkit/precision/sensitivity", "text", "", "`auto` or `measure`, once measured",
         "per class x dtype: ops per step, fp32 ms, speed against fp32, chosen; the whole-step candidates"),
     Tag("opkit/precision/decision", "text", "", "`auto`: the decision, and again when the trials end",
-        "the chosen table's error beside plain bf16-mixed's, trial medians, each class's dtype and evidence"),
+        "the chosen table's error beside plain bf16-mixed's, trial medians, each class's dtype and evidence, and"
+        " each Linear's float8 figures and verdict where float8 was measured"),
     Tag("opkit/precision/measure_s", "scalar", "s", "each measurement (`auto`, `measure`)",
         "seconds the measurement took"),
     Tag("opkit/precision/census", "text", "", _CENSUS,

@@ -19,7 +19,10 @@ How ``rules="auto"`` decides (:mod:`.auto` runs these in order, every rank takin
 2. :mod:`.decide`: :func:`decide` picks per class the fastest 16-bit dtype that is faster and within tolerance.
 3. :mod:`.candidates`: whole-step candidate tables (and plain autocast) run on the first rows of the batch, for their
    time and error as a whole; the fastest within tolerance is chosen.
-4. :mod:`.trials`: the close contenders confirmed on the next real training steps, the fastest kept.
+4. the close contenders confirmed on the next real training steps (a :class:`~lightning_opkit.core.trial.Trial`),
+   the fastest kept.
+5. :mod:`.fp8_measure`: where float8 GEMMs can be fast, each Linear timed at its rows in float8 against its class's
+   dtype, its error measured alone and with the others; those faster and within tolerance run in float8 (:mod:`.fp8`).
 
 With explicit rules, :mod:`.speed_check` times the lowered classes once and warns where 16-bit is slower.
 """

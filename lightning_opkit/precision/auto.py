@@ -8,7 +8,7 @@ tables, the same numerics and the same compiled graphs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.candidates import StepChoice, candidate_tables, choose_table, first_rows
 from lightning_opkit.precision.decide import MIN_SPEEDUP, TIE, Decision, decide
+from lightning_opkit.precision.fp8_measure import Fp8Ask, Fp8Measurements, measure_fp8
 from lightning_opkit.precision.measure import measure_precision
 from lightning_opkit.precision.results import Measurement, PrecisionMeasurements
 from lightning_opkit.precision.runner import StepRunner
@@ -60,10 +61,12 @@ class Plan:
     Args:
         classes: the dtype of each class the model was seen to run, and why.
         autocast: the dtype of plain ``torch.autocast``, when that is what won.
+        fp8: the GEMM modules that run in float8 -> why (measured per module).
     """
 
     classes: dict[str, tuple[str, str]]
     autocast: str | None = None
+    fp8: dict[str, str] = field(default_factory=dict)
 
 
 class AutoPrecision:
@@ -90,6 +93,10 @@ class AutoPrecision:
         self._trials: Trial | None = None
         self._trial_step = False  # whether this batch is a timed trial step
         self._loss_scale: float | None = None
+        #: the float8 measurement per GEMM module, when one ran
+        self.fp8: Fp8Measurements | None = None
+        #: why float8 was not measured (``None``: not decided yet, or measured)
+        self.fp8_note: str | None = None
 
     @property
     def measure_seconds(self) -> float:
@@ -111,7 +118,7 @@ class AutoPrecision:
 
     def measure_and_decide(self, model: Any, batch: Any, training_step: Callable[..., Any], batch_idx: int,
                            dtypes: list[str], agree: Agree, compiled: bool, accumulating: bool,
-                           loss_scale: float | None = None) -> Plan:
+                           loss_scale: float | None = None, fp8: Fp8Ask | None = None) -> Plan:
         """Measure on ``batch`` (its first rows, with ``whole_step``), decide, and say what to run now.
 
         Args:
@@ -125,6 +132,7 @@ class AutoPrecision:
             accumulating: gradient accumulation (no trials).
             loss_scale: the GradScaler's scale, where training scales the loss: every run differentiates the loss
                 scaled like that, so fp16 gradients are judged as training gets them.
+            fp8: the GEMM modules to measure in float8, once the classes are decided (or why none).
         """
         loss_fn = _loss_fn(training_step, batch_idx)
         self._loss_scale = loss_scale
@@ -145,8 +153,12 @@ class AutoPrecision:
         self.per_class, self.choice, self.measurements = chosen, choice, measurements
         # A re-measurement ends the trials of the last one, and the step it began for one of their contenders.
         self.reset()
+        self.fp8, self.fp8_note = None, fp8.note if fp8 is not None else None
+        plan = Plan(chosen) if choice is None else self.plan_for(choice.chosen)
+        if fp8 is not None and fp8.modules and plan.classes:
+            self._measure_fp8(model, batch, loss_fn, fp8, plan, agree)
         if choice is None:
-            return Plan(chosen)
+            return Plan(chosen, fp8=self.fp8.chosen if self.fp8 is not None else {})
         if self.trial_rounds and len(choice.contenders()) > 1:
             if compiled or accumulating:
                 self.choice = choice.confirmed(choice.chosen, "not run (" + (
@@ -164,6 +176,31 @@ class AutoPrecision:
             warn_once(f"PrecisionPolicy could not measure this model ({type(err).__name__}: {err}); the policy"
                            f" keeps its table (every class in fp32).")
             return None
+
+    def _measure_fp8(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor], ask: Fp8Ask, plan: Plan,
+                     agree: Agree) -> None:
+        """Measure ``ask``'s modules in float8 against the dtype ``plan`` runs their class in."""
+        base = plan.autocast or plan.classes.get("matmul", ("bf16", ""))[0]
+        if base not in ("bf16", "fp32"):
+            self.fp8_note = f"the matmul class runs in {base}: float8 is measured against bf16 or fp32 only"
+            return
+        sub, rows = first_rows(batch) if self.whole_step else (batch, 1)
+        full = first_rows(batch, 1)[1] if self.whole_step else 1
+        runner = StepRunner(model, sub, loss_fn, self._loss_scale)
+        try:
+            with runner.session():
+                self.fp8 = measure_fp8(runner, ask.modules, model.device, ask.recipe, base, self.tolerance,
+                                       scale=full / rows, agree=agree)
+        except Exception as err:
+            warn_once(f"PrecisionPolicy could not measure float8 ({type(err).__name__}: {err}); no module runs in"
+                      f" float8 by rules='auto'.")
+            self.fp8_note = f"its measurement failed ({type(err).__name__})"
+
+    def fp8_lines(self) -> list[str]:
+        """The run summary's lines on float8: what was measured and chosen, or why nothing was tried."""
+        if self.fp8 is not None:
+            return self.fp8.lines()
+        return [f"  fp8: not tried by rules='auto' ({self.fp8_note})"] if self.fp8_note else []
 
     def _choose(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor], rows: list[Measurement],
                 per_class: dict[str, str], dtypes: list[str], agree: Agree, compiled: bool) -> StepChoice | None:
@@ -189,7 +226,7 @@ class AutoPrecision:
         what = f"plain torch.autocast in {run.autocast}" if run.autocast else f"table '{run.name}'"
         return Plan({c: (table[c], f"{what} ({run.figures()}); per class:"
                                    f" {self.per_class[c][1] if c in self.per_class else '-'}") for c in table},
-                    run.autocast)
+                    run.autocast, self.fp8.chosen if self.fp8 is not None else {})
 
     # trials: the contenders on real training steps
 
@@ -250,7 +287,9 @@ class AutoPrecision:
             head += f"{note}.\n\n"
         evidence = markdown_table(["op class", "dtype", "evidence"], [[c, d.dtype, d.reason]
                                                                       for c, d in decisions.items()])
-        return head + evidence + ("\n\n" + self.choice.table() if self.choice is not None else "")
+        fp8 = f"\n\n{self.fp8.markdown()}" if self.fp8 is not None else (
+            f"\n\nfloat8 not tried: {self.fp8_note}." if self.fp8_note else "")
+        return head + evidence + ("\n\n" + self.choice.table() if self.choice is not None else "") + fp8
 
 
 def _loss_fn(training_step: Callable[..., Any], batch_idx: int) -> Callable[[torch.nn.Module, Any], Tensor]:

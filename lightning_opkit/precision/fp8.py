@@ -33,9 +33,9 @@ from lightning_opkit.core.select import match_rule
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import markdown_table
 
-__all__ = ["EXTRA", "FP8", "Float8Linears", "Fp8Recipe", "check_fp8", "fp8_lines", "fp8_markdown", "fp8_modules",
-           "fp8_unit_note", "gemm_dims", "gemm_function", "recipe_problem", "require_torchao", "running_in",
-           "torchao_missing", "torchao_problem"]
+__all__ = ["EXTRA", "FP8", "Float8Linears", "Fp8Recipe", "auto_candidates", "check_fp8", "fp8_lines", "fp8_markdown",
+           "fp8_modules", "fp8_unit_note", "gemm_dims", "gemm_function", "recipe_problem", "require_torchao",
+           "running_in", "torchao_missing", "torchao_problem"]
 
 #: the policy's dtype name for float8 GEMMs
 FP8 = "fp8"
@@ -89,8 +89,8 @@ def require_torchao(owner: str, where: str) -> None:
         raise ImportError(f"{owner}({where}) runs float8 GEMMs through torchao: {problem}")
 
 
-def check_fp8(rules: Any, overrides: Any, recipe: Any) -> None:
-    """Raise for a bad ``fp8_recipe``, or for ``"fp8"`` asked for without torchao (after the rules were checked).
+def check_fp8(rules: Any, overrides: Any, recipe: Any, try_fp8: Any = None) -> None:
+    """Raise for a bad ``fp8_recipe`` or ``try_fp8``, or for float8 asked for without torchao (after the rules' check).
 
     Example:
         >>> check_fp8({"matmul": "bf16"}, None, "columnwise")
@@ -99,6 +99,9 @@ def check_fp8(rules: Any, overrides: Any, recipe: Any) -> None:
         ValueError: Expected `fp8_recipe` to be one of ['tensorwise', 'rowwise'], but got 'columnwise'
     """
     check_choice("fp8_recipe", recipe, ["tensorwise", "rowwise"])
+    check_choice("try_fp8", try_fp8, [None, True, False])
+    if try_fp8:
+        require_torchao("PrecisionPolicy", "try_fp8=True")
     if isinstance(rules, dict) and rules.get("matmul") == FP8:
         require_torchao("PrecisionPolicy", "rules={'matmul': 'fp8'}")
     asked = [k for k, v in (overrides or {}).items() if v == FP8]
@@ -123,12 +126,43 @@ def fp8_modules(model: nn.Module, table: dict[str, str],
     for name, module in model.named_modules():
         if gemm_dims(module) is None:
             continue
-        parts = name.split(".")
-        rule = next((r for i in range(len(parts), 0, -1)
-                     if (r := match_rule(".".join(parts[:i]), overrides)) is not None), None) if overrides else None
+        rule = _override_of(name, overrides)
         if (rule if rule is not None else table.get("matmul")) == FP8:
             picked[rule is not None].append((name, module))
     return picked
+
+
+def _override_of(name: str, overrides: dict[str, str]) -> str | None:
+    """The dtype the innermost override at or above module ``name`` gives it (``None``: no override applies)."""
+    parts = name.split(".")
+    return next((r for i in range(len(parts), 0, -1)
+                 if (r := match_rule(".".join(parts[:i]), overrides)) is not None), None) if overrides else None
+
+
+def auto_candidates(model: nn.Module, fp8: Float8Linears, overrides: dict[str, str], try_fp8: bool | None,
+                    device: torch.device) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The GEMM modules ``rules="auto"`` measures in float8, or why it tries none.
+
+    Left to it: every Linear no override or pin decides and no rule already runs in float8. ``try_fp8=None`` tries
+    where float8 can be fast (CUDA compute capability 8.9 or more); ``True`` on any device (a CPU measures it slower).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+        >>> fp8 = Float8Linears("tensorwise", census=lambda: None)
+        >>> [n for n, _ in auto_candidates(model, fp8, {"1": "fp32"}, True, torch.device("cpu"))[0]]
+        ['0']
+        >>> auto_candidates(model, fp8, {}, None, torch.device("cpu"))[1]
+        'a CPU has no float8 GEMM units (torch runs them there, slower than bf16)'
+    """
+    if try_fp8 is False:
+        return [], "try_fp8=False"
+    note = torchao_problem() or ("" if try_fp8 else fp8_unit_note(device))
+    if note:
+        return [], note
+    # a re-measurement decides again for the modules auto chose before
+    picked = [(n, m) for n, m in model.named_modules() if gemm_dims(m) is not None
+              and (n not in fp8.live or n in fp8.by_auto) and _override_of(n, overrides) is None]
+    return picked, "" if picked else "every Linear is decided by an override, a pin or the rules"
 
 
 def gemm_dims(module: nn.Module) -> tuple[int, int] | None:
@@ -231,8 +265,10 @@ class Float8Linears:
         self.converted: list[str] = []
         #: module path -> why it was left in the class's next dtype
         self.skipped: dict[str, str] = {}
-        #: the converted modules a module override asked for (the rest: the matmul class rule)
+        #: the converted modules a module override asked for (the rest: the matmul class rule, or ``by_auto``)
         self.by_override: set[str] = set()
+        #: the converted modules ``rules="auto"`` chose by measurement -> the evidence
+        self.by_auto: dict[str, str] = {}
         self._live: dict[str, nn.Module] = {}
         self._patches: dict[str, Patches] = {}
         self._plain: set[nn.Module] = set()
@@ -265,12 +301,31 @@ class Float8Linears:
             self._live[name] = module
             self.converted.append(name)
 
+    @property
+    def live(self) -> list[str]:
+        """The modules running float8 GEMMs now."""
+        return list(self._live)
+
+    def choose(self, chosen: dict[str, str], model: nn.Module) -> None:
+        """``rules="auto"``'s float8 modules (path -> evidence) from now on; those it no longer chose run as written.
+
+        Args:
+            chosen: the measured choice.
+            model: the model the paths are in.
+        """
+        for name in [n for n in self.by_auto if n not in chosen]:
+            self.revert(name)
+        modules = dict(model.named_modules())
+        self.convert([(n, modules[n]) for n in chosen if n in modules and n not in self._live], self.device)
+        self.by_auto = {n: why for n, why in chosen.items() if n in self._live and n not in self.by_override}
+
     def revert(self, name: str) -> bool:
         """Run module ``name`` (a converted one) as written from now on: a NaN repair's pin. Whether it was."""
         if self._live.pop(name, None) is None:
             return False
         self._patches.pop(name).restore()
         self.converted.remove(name)
+        self.by_auto.pop(name, None)
         return True
 
     def inside(self, module: nn.Module) -> list[str]:
@@ -308,6 +363,7 @@ class Float8Linears:
         self.restore()
         self.converted.clear()
         self.by_override.clear()
+        self.by_auto.clear()
         self.skipped.clear()
 
     def _forward(self, name: str, gemm: nn.Module) -> Callable[..., Tensor]:
@@ -353,23 +409,29 @@ def running_in(fp8: Float8Linears, governor: Any, module: nn.Module | None, dtyp
         yield
 
 
-def fp8_lines(fp8: Float8Linears, auto: bool) -> list[str]:
-    """The run summary's float8 lines: what ran in float8, what could not and why; under ``"auto"``, why not tried.
+def fp8_lines(fp8: Float8Linears, auto: list[str] | None = None) -> list[str]:
+    r"""The run summary's float8 lines: what rules and overrides run in float8, what could not and why; then ``auto``'s.
+
+    Args:
+        fp8: the policy's float8 modules.
+        auto: ``rules="auto"``'s lines (what it measured and chose, or why it tried nothing).
 
     Example:
-        >>> print(fp8_lines(Float8Linears("tensorwise", census=lambda: None), auto=True)[0])
-          fp8: not tried by rules='auto' (a CPU has no float8 GEMM units (torch runs them there, slower than bf16))
+        >>> fp8 = Float8Linears("tensorwise", census=lambda: None)
+        >>> fp8.convert([("0", nn.Linear(32, 32)), ("1", nn.Linear(32, 10))], torch.device("cpu"))
+        >>> print("\\n".join(fp8_lines(fp8)))
+          fp8: 1 GEMM module(s) in float8 (tensorwise scaling, torchao)
+          fp8: left in bf16: 1 (32x10: float8 GEMMs need dimensions that are multiples of 16)
     """
     lines = []
-    if fp8.converted:
-        lines.append(f"  fp8: {len(fp8.converted)} GEMM module(s) in float8 ({fp8.recipe} scaling, torchao)")
+    ruled = [n for n in fp8.converted if n not in fp8.by_auto]
+    if ruled:
+        lines.append(f"  fp8: {len(ruled)} GEMM module(s) in float8 ({fp8.recipe} scaling, torchao)")
     if fp8.skipped:
         left = ", ".join(f"{n} ({why})" for n, why in sorted(fp8.skipped.items())[:6])
         more = f", and {len(fp8.skipped) - 6} more" if len(fp8.skipped) > 6 else ""
         lines.append(f"  fp8: left in {FP8_NEXT_NAME}: {left}{more}")
-    if auto:
-        lines.append(f"  fp8: not tried by rules='auto' ({auto_fp8_note(fp8.device)})")
-    return lines
+    return lines + (auto or [])
 
 
 def fp8_markdown(fp8: Float8Linears) -> str:
@@ -389,13 +451,8 @@ def fp8_markdown(fp8: Float8Linears) -> str:
     """
     if not (fp8.converted or fp8.skipped):
         return ""
-    rows = [[n, "fp8", "module override" if n in fp8.by_override else "matmul rule"] for n in fp8.converted]
+    rows = [[n, "fp8", "module override" if n in fp8.by_override else
+             f"rules='auto': {fp8.by_auto[n]}" if n in fp8.by_auto else "matmul rule"] for n in fp8.converted]
     rows += [[n, FP8_NEXT_NAME, why] for n, why in fp8.skipped.items()]
     return (f"\n\n**float8 GEMMs** ({fp8.recipe} scaling, torchao):\n\n"
             + markdown_table(["module", "runs in", "why"], rows))
-
-
-def auto_fp8_note(device: torch.device) -> str:
-    """Why ``rules="auto"`` does not try float8 here."""
-    return fp8_unit_note(device) or torchao_problem() or (
-        "measuring float8 per module is not built yet: set it with rules or overrides")

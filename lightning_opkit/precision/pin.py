@@ -6,12 +6,15 @@ arguments the summary prints instead of ``"auto"``, and measures nothing at all.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_opkit.precision.auto import Plan
 from lightning_opkit.precision.dtypes import GOVERNED
 
 __all__ = ["pinned_arguments", "plan_from_state", "plan_state"]
+
+_BEFORE = " (measured before the checkpoint)"
 
 
 def plan_state(plan: Plan) -> dict[str, Any]:
@@ -21,10 +24,11 @@ def plan_state(plan: Plan) -> dict[str, Any]:
         plan: the plan the policy runs.
 
     Example:
-        >>> plan_state(Plan({"matmul": ("bf16", "1.8x faster")}))
-        {'classes': {'matmul': ['bf16', '1.8x faster']}, 'autocast': None}
+        >>> plan_state(Plan({"matmul": ("bf16", "1.8x faster")}, fp8={"mlp.up": "1.4x faster than bf16"}))
+        {'classes': {'matmul': ['bf16', '1.8x faster']}, 'autocast': None, 'fp8': {'mlp.up': '1.4x faster than bf16'}}
     """
-    return {"classes": {c: [d, why] for c, (d, why) in plan.classes.items()}, "autocast": plan.autocast}
+    return {"classes": {c: [d, why] for c, (d, why) in plan.classes.items()}, "autocast": plan.autocast,
+            "fp8": dict(plan.fp8)}
 
 
 def plan_from_state(state: dict[str, Any]) -> Plan:
@@ -34,27 +38,45 @@ def plan_from_state(state: dict[str, Any]) -> Plan:
         state: what :func:`plan_state` returned.
 
     Example:
-        >>> plan_from_state({"classes": {"matmul": ["bf16", "1.8x faster"]}, "autocast": None}).classes
+        >>> plan = plan_from_state({"classes": {"matmul": ["bf16", "1.8x faster"]}, "autocast": None})
+        >>> plan.classes
         {'matmul': ('bf16', '1.8x faster (measured before the checkpoint)')}
+        >>> plan_from_state(plan_state(plan)) == plan
+        True
     """
-    classes = {c: (d, f"{why} (measured before the checkpoint)") for c, (d, why) in state["classes"].items()}
-    return Plan(classes, state.get("autocast"))
+    def restored(why: str) -> str:  # a plan resumed twice was still measured once
+        return why if why.endswith(_BEFORE) else why + _BEFORE
+
+    classes = {c: (d, restored(why)) for c, (d, why) in state["classes"].items()}
+    # a checkpoint written before float8 was measured has no "fp8"
+    return Plan(classes, state.get("autocast"), {n: restored(why) for n, why in state.get("fp8", {}).items()})
 
 
-def pinned_arguments(table: dict[str, str], autocast: str | None) -> str:
+def pinned_arguments(table: dict[str, str], autocast: str | None, fp8: Sequence[str] = (),
+                     recipe: str = "tensorwise") -> str:
     """How to run this decision in the next run without measuring: the arguments to write instead of ``"auto"``.
 
     Args:
         table: op class -> dtype name, as decided.
         autocast: plain autocast's dtype, when that is what won.
+        fp8: the modules measured faster in float8 (module overrides then say ``"fp8"``).
+        recipe: their float8 recipe.
 
     Example:
         >>> pinned_arguments({c: "fp32" for c in GOVERNED} | {"matmul": "bf16"}, None)[:56]
         "PrecisionPolicy(rules={'matmul': 'bf16', 'conv': 'fp32',"
         >>> pinned_arguments({}, "bf16")
         "Trainer(precision='bf16-mixed') without a PrecisionPolicy (plain autocast won)"
+        >>> pinned_arguments({}, "bf16", ["mlp.up"])[-44:]
+        "'rnn': 'keep'}, overrides={'mlp.up': 'fp8'})"
     """
+    overrides = dict.fromkeys(fp8, "fp8")
+    extra = (f", overrides={overrides!r}" if overrides else "") + (
+        f", fp8_recipe={recipe!r}" if overrides and recipe != "tensorwise" else "")
     if autocast is not None:
+        if overrides:  # the policy only for the float8 GEMMs: autocast decides every class
+            return (f"Trainer(precision='{autocast}-mixed') with PrecisionPolicy(rules="
+                    f"{dict.fromkeys(GOVERNED, 'keep')!r}{extra})")
         return f"Trainer(precision='{autocast}-mixed') without a PrecisionPolicy (plain autocast won)"
     rules = {c: table[c] for c in GOVERNED if c in table}
-    return f"PrecisionPolicy(rules={rules!r})"
+    return f"PrecisionPolicy(rules={rules!r}{extra})"

@@ -42,12 +42,14 @@ from lightning_opkit.precision.fp8 import (
     FP8,
     Float8Linears,
     Fp8Recipe,
+    auto_candidates,
     check_fp8,
     fp8_lines,
     fp8_markdown,
     fp8_modules,
     running_in,
 )
+from lightning_opkit.precision.fp8_measure import Fp8Ask
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
@@ -107,6 +109,10 @@ class PrecisionPolicy(OpkitCallback):
             gradient accumulation.
         fp8_recipe: torchao's float8 scaling where a rule or override says ``"fp8"``: ``"tensorwise"`` (one dynamic
             scale per tensor) or ``"rowwise"`` (one per row: finer, more to compute). See the fp8 section of the page.
+        try_fp8: with ``rules="auto"``, measure each Linear in float8 (its GEMMs' time at this run's shapes against its
+            class's dtype, and its error alone and with the others) and run it in float8 where it is 5% faster and
+            within ``tolerance``. ``None``: where the device has float8 GEMM units (CUDA compute capability 8.9 or
+            more); ``True``: on any device (a CPU measures it, slower); ``False``: never.
         enabled: attach the callback; ``False`` (or its area, ``precision``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
@@ -137,6 +143,7 @@ class PrecisionPolicy(OpkitCallback):
         whole_step: bool = True,
         trial_rounds: int = 2,
         fp8_recipe: Fp8Recipe = "tensorwise",
+        try_fp8: Optional[bool] = None,
         enabled: bool = True,
         log_dir: Optional[str] = None,
         modules: Optional[dict[str, DtypeName]] = None,
@@ -153,7 +160,7 @@ class PrecisionPolicy(OpkitCallback):
                           counts=dict(census_every_n_steps=census_every_n_steps,
                                       remeasure_every_n_steps=remeasure_every_n_steps, trial_rounds=trial_rounds),
                           flags=dict(measure=measure, whole_step=whole_step))
-        check_fp8(rules, overrides, fp8_recipe)
+        check_fp8(rules, overrides, fp8_recipe, try_fp8)
         self.rules: str | dict[str, str] | None = "auto" if rules == "auto" else (
             dict(rules) if rules is not None else None)  # type: ignore[arg-type]
         self.default = default
@@ -174,7 +181,7 @@ class PrecisionPolicy(OpkitCallback):
         #: with ``rules="auto"``: op class -> the decision and its evidence
         self.decisions: dict[str, Decision] = {}
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
-        self.fp8_recipe = fp8_recipe
+        self.fp8_recipe, self.try_fp8 = fp8_recipe, try_fp8
         #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
         self.fp8 = Float8Linears(fp8_recipe, census=lambda: self._governor.state.census)
 
@@ -266,7 +273,7 @@ class PrecisionPolicy(OpkitCallback):
         lines = summary_lines(self.table, self.decisions, overrides, self._governor.autocast, self._passthrough,
                               self._auto if self.auto else None)
         again = self.decision_as_arguments()
-        lines += fp8_lines(self.fp8, self.auto)
+        lines += fp8_lines(self.fp8, self._auto.fp8_lines() if self.auto else None)
         return lines + ([f"  to run this decision again without measuring: {again}"] if again else [])
 
     # lifecycle
@@ -310,8 +317,7 @@ class PrecisionPolicy(OpkitCallback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        plan = self._auto.abandon_trials()
-        if plan is not None:
+        if (plan := self._auto.abandon_trials()) is not None:
             self._apply(pl_module, plan)
             self._log_decision(trainer.global_step)
 
@@ -331,6 +337,7 @@ class PrecisionPolicy(OpkitCallback):
         self._plan = plan
         governor.autocast, governor.autocast_device = plan.autocast, pl_module.device.type
         self.decisions = {c: Decision(c, d, why) for c, (d, why) in plan.classes.items()}
+        self.fp8.choose(plan.fp8, pl_module)
         table = dict(self.table)
         # Classes the model was not seen to run: fp32, or under plain autocast whatever autocast does with them.
         table.update(dict.fromkeys(GOVERNED, "fp32" if plan.autocast is None else "keep"))
@@ -368,7 +375,7 @@ class PrecisionPolicy(OpkitCallback):
         """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""
         if not self.auto or self._plan is None:
             return None
-        return pinned_arguments(self.table, self._plan.autocast)
+        return pinned_arguments(self.table, self._plan.autocast, list(self._plan.fp8), self.fp8_recipe)
 
     # batches: measure, trial, census
 
@@ -401,13 +408,17 @@ class PrecisionPolicy(OpkitCallback):
                             batch_idx: int) -> None:
         grad_scaler = getattr(trainer.precision_plugin, "scaler", None)
         compiled = any(offering(trainer, CompilesRegions))
-        plan = self._auto.measure_and_decide(
-            pl_module, batch, self._originals["training_step"], batch_idx,
-            # the dtype the Trainer autocasts to (the two 16-bit dtypes cannot mix under autocast), else bf16
-            dtypes=[AUTOCAST_DTYPE.get(str(trainer.precision), "bf16")],
-            agree=lambda value: trainer.strategy.broadcast(value, src=0), compiled=compiled,
-            accumulating=trainer.accumulate_grad_batches > 1,
-            loss_scale=float(grad_scaler.get_scale()) if grad_scaler is not None else None)
+        modules, note = auto_candidates(pl_module, self.fp8, self.overrides | self.pinned, self.try_fp8,
+                                        pl_module.device)
+        with self.fp8.plain(None):  # measured as written: the classes', and each Linear's, dtypes are being decided
+            plan = self._auto.measure_and_decide(
+                pl_module, batch, self._originals["training_step"], batch_idx,
+                # the dtype the Trainer autocasts to (the two 16-bit dtypes cannot mix under autocast), else bf16
+                dtypes=[AUTOCAST_DTYPE.get(str(trainer.precision), "bf16")],
+                agree=lambda value: trainer.strategy.broadcast(value, src=0), compiled=compiled,
+                accumulating=trainer.accumulate_grad_batches > 1,
+                loss_scale=float(grad_scaler.get_scale()) if grad_scaler is not None else None,
+                fp8=Fp8Ask(modules, self.fp8_recipe, note))
         self._apply(pl_module, plan)
         self._log_decision(trainer.global_step)
         if self.measurements is not None:

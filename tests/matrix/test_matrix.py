@@ -43,7 +43,9 @@ from lightning_opkit import (
     ProfilerWindows,
     TorchCompile,
 )
+from lightning_opkit.precision.auto import Plan
 from lightning_opkit.precision.fp8 import gemm_dims
+from lightning_opkit.precision.pin import plan_state
 
 STEPS, FAULT, SAVE = 6, 2, 4
 
@@ -79,14 +81,29 @@ class Losses(pl.Callback):
 AREA = {"P": "precision", "N": "nan", "W": "profiler", "C": "compile", "A": "checkpointing"}
 
 
-def _callbacks(case: Case, letters: str, backend: str = "eager", fp8: bool = False) -> list[pl.Callback]:
+def _auto_fp8_policy(case: Case, **kw) -> PrecisionPolicy:
+    """``rules="auto"`` with a decision that runs every Linear in float8, as a run on a GPU would have checkpointed it.
+
+    A CPU measures float8 many times slower (a reference kernel), and a measured choice would differ between the runs
+    compared here; the decision is brought in the policy's state, as a resumed fit brings it.
+    """
+    policy = PrecisionPolicy(census_every_n_steps=3, rules="auto", trial_rounds=0, **kw)
+    linears = [n for n, m in ZooModule(case.model).named_modules() if gemm_dims(m) is not None]
+    policy.load_state_dict({"plan": plan_state(Plan({"matmul": ("bf16", "measured on a GPU")},
+                                                    fp8=dict.fromkeys(linears, "measured on a GPU")))})
+    return policy
+
+
+def _callbacks(case: Case, letters: str, backend: str = "eager", fp8: str = "") -> list[pl.Callback]:
     blocks = ["model." + ZOO[case.model].blocks]
     made: list[pl.Callback] = []
     for letter in letters:
         # the callback turned off: enabled=False under automatic optimization (OPKIT_DISABLE, set by the test, under
         # manual)
         kw = dict(enabled=False) if letter == case.off and case.optimization == "automatic" else {}
-        if letter == "P":
+        if letter == "P" and fp8 == "auto":
+            made.append(_auto_fp8_policy(case, **kw))
+        elif letter == "P":
             # the default table, or its GEMMs in float8
             made.append(PrecisionPolicy(census_every_n_steps=3, rules={"matmul": "fp8"} if fp8 else None, **kw))
         elif letter == "N":
@@ -171,7 +188,7 @@ def _check_files(root, case: Case) -> None:
         assert not [t for t in tags if t.startswith(tuple(f"opkit/{a}/" for a in areas))], tags
 
 
-def _check(tmp_path, case: Case, backend: str = "eager", fp8: bool = False) -> None:
+def _check(tmp_path, case: Case, backend: str = "eager", fp8: str = "") -> None:
     batches = list(ZooModule(case.model).loader(n=64))[:STEPS]
     detecting = "N" in case.active
     faults = {"forward": FAULT} if detecting else None
@@ -191,6 +208,7 @@ def _check(tmp_path, case: Case, backend: str = "eager", fp8: bool = False) -> N
         assert policy.fp8.converted
         assert not policy.fp8.skipped
         assert sum(1 for m in model.modules() if gemm_dims(m) is not None) == len(policy.fp8.converted)
+        assert (fp8 == "auto") == bool(policy.fp8.by_auto)
     if detecting:
         detector = next(c for c in callbacks if isinstance(c, NaNDetector))
         assert [(e["step"], e["phase"], e["module"], e["cause"], e["action"]) for e in detector.events] == [
@@ -238,7 +256,17 @@ FP8 = [dataclasses.replace(c, model=("hf_llama", "hf_gpt2")[i % 2],
 @pytest.mark.parametrize("case", FP8, ids=[c.id for c in FP8])
 def test_combination_with_fp8_gemms(tmp_path, monkeypatch, case):
     _switch(monkeypatch, case)
-    _check(tmp_path, case, fp8=True)
+    _check(tmp_path, case, fp8="rules")
+
+
+#: rules="auto" running the float8 modules it chose, with every callback (compiled whole, checkpointed)
+AUTO_FP8 = [c for c in FP8 if c.callbacks == "PNWCA"]
+
+
+@pytest.mark.parametrize("case", AUTO_FP8, ids=[c.id for c in AUTO_FP8])
+def test_combination_with_auto_chosen_fp8_gemms(tmp_path, monkeypatch, case):
+    _switch(monkeypatch, case)
+    _check(tmp_path, case, fp8="auto")
 
 
 SLOW = [c for c in CASES if c.callbacks == "PNWCA"][:2] + [c for c in CASES if c.callbacks == "CA"][:1]
