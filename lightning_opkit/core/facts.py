@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_opkit.core.text import times_phrase
 
-__all__ = ["FASTER", "RunFacts", "SpeedFact", "facts_of", "new_facts"]
+__all__ = ["FASTER", "Fp8Fact", "RunFacts", "SpeedFact", "facts_of", "new_facts"]
 
 #: a measured alternative counts as faster only at least this much faster (timings on a busy machine vary by a few
 #: percent): the bar of the precision policy's decision and of every lever that rests on a speed fact
@@ -70,6 +70,29 @@ class SpeedFact:
                 f" ({self.source})")
 
 
+@dataclass(frozen=True)
+class Fp8Fact:
+    """Linears timed in float8 against their class's dtype, and those that run in float8 by that measurement.
+
+    Args:
+        speed: every timed Linear's GEMMs together: float8's time over the class dtype's.
+        chosen: the Linears that run in float8.
+        timed: how many were timed.
+        chosen_speed: the chosen ones' together (``None``: none chosen).
+    """
+
+    speed: SpeedFact
+    chosen: tuple[str, ...]
+    timed: int
+    chosen_speed: SpeedFact | None = None
+
+    def phrase(self) -> str:
+        """``"float8 ran 4 of 6 timed Linears (fp8 measured 1.41x faster than bf16 ... on those)"``."""
+        if self.chosen_speed is None:
+            return f"{self.speed.phrase()}: no float8 lever here"
+        return f"float8 runs {len(self.chosen)} of {self.timed} timed Linears ({self.chosen_speed.phrase()})"
+
+
 @dataclass
 class RunFacts:
     """The measurements and actions of one fit that more than one callback reads.
@@ -79,7 +102,8 @@ class RunFacts:
     ``eager_regions``: those running eagerly because compiled measured slower (region -> eager / compiled time).
     ``repairs``: module path -> dtype it was pinned to after a precision fault. ``peaks``: the measured peaks.
     ``checkpointed``: block path -> the op classes whose outputs its activation checkpoint keeps (empty: full).
-    ``layouts``: op class -> a :class:`SpeedFact` of its channels_last time against contiguous.
+    ``layouts``: op class -> a :class:`SpeedFact` of its channels_last time against contiguous. ``fp8``: the
+    Linears' GEMMs timed in float8 against their class's dtype (``rules="auto"``), and how many run in float8.
     """
 
     speeds: dict[tuple[str, str], SpeedFact] = field(default_factory=dict)
@@ -90,6 +114,7 @@ class RunFacts:
     repairs: dict[str, str] = field(default_factory=dict)
     checkpointed: dict[str, list[str]] = field(default_factory=dict)
     layouts: dict[str, SpeedFact] = field(default_factory=dict)
+    fp8: Fp8Fact | None = None
     peaks: Any = None
 
     def speed(self, op_class: str) -> SpeedFact | None:

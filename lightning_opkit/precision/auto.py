@@ -56,15 +56,17 @@ Agree = Callable[[Any], Any]
 
 @dataclass(frozen=True)
 class Plan:
-    """What the policy runs from now on: op class -> ``(dtype name, why)``, or plain autocast in ``autocast``.
+    """What the policy runs from now on: each class's :class:`Decision`, or plain autocast in ``autocast``.
+
+    The one form a decision takes from rank zero's choice to the policy's table, its checkpoint and its summary.
 
     Args:
-        classes: the dtype of each class the model was seen to run, and why.
+        classes: op class -> its decision (dtype and why), for each class the model was seen to run.
         autocast: the dtype of plain ``torch.autocast``, when that is what won.
         fp8: the GEMM modules that run in float8 -> why (measured per module).
     """
 
-    classes: dict[str, tuple[str, str]]
+    classes: dict[str, Decision]
     autocast: str | None = None
     fp8: dict[str, str] = field(default_factory=dict)
 
@@ -89,7 +91,7 @@ class AutoPrecision:
         self.trial_rounds = trial_rounds
         self.measurements: PrecisionMeasurements | None = None
         self.choice: StepChoice | None = None
-        self.per_class: dict[str, tuple[str, str]] = {}  # rank zero's per-class decisions: (dtype, why)
+        self.per_class: dict[str, Decision] = {}  # rank zero's per-class decisions
         self._trials: Trial | None = None
         self._trial_step = False  # whether this batch is a timed trial step
         self._loss_scale: float | None = None
@@ -144,12 +146,12 @@ class AutoPrecision:
             measurements = self._measure(model, batch, loss_fn, dtypes=dtypes)
         decisions = decide(measurements, self.tolerance, dtypes, require_errors=not self.whole_step) \
             if measurements is not None else {}
-        chosen = agree({c: (d.dtype, d.reason) for c, d in decisions.items()})
+        chosen: dict[str, Decision] = agree(decisions)
         choice = None
         if self.whole_step and chosen:
             # The candidates come from rank zero's per-class decisions, so every rank runs the same tables.
             choice = agree(self._choose(model, batch, loss_fn, measurements.rows if measurements else [],
-                                        {c: d for c, (d, _) in chosen.items()}, dtypes, agree, compiled))
+                                        {c: d.dtype for c, d in chosen.items()}, dtypes, agree, compiled))
         self.per_class, self.choice, self.measurements = chosen, choice, measurements
         # A re-measurement ends the trials of the last one, and the step it began for one of their contenders.
         self.reset()
@@ -180,7 +182,7 @@ class AutoPrecision:
     def _measure_fp8(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor], ask: Fp8Ask, plan: Plan,
                      agree: Agree) -> None:
         """Measure ``ask``'s modules in float8 against the dtype ``plan`` runs their class in."""
-        base = plan.autocast or plan.classes.get("matmul", ("bf16", ""))[0]
+        base = plan.autocast or (plan.classes["matmul"].dtype if "matmul" in plan.classes else "bf16")
         if base not in ("bf16", "fp32"):
             self.fp8_note = f"the matmul class runs in {base}: float8 is measured against bf16 or fp32 only"
             return
@@ -224,9 +226,9 @@ class AutoPrecision:
         # Plain autocast leaves every class to autocast: "keep" for the policy, whose mode stands aside.
         table = run.table or dict.fromkeys(self.per_class, "keep")
         what = f"plain torch.autocast in {run.autocast}" if run.autocast else f"table '{run.name}'"
-        return Plan({c: (table[c], f"{what} ({run.figures()}); per class:"
-                                   f" {self.per_class[c][1] if c in self.per_class else '-'}") for c in table},
-                    run.autocast, self.fp8.chosen if self.fp8 is not None else {})
+        return Plan({c: Decision(c, table[c], f"{what} ({run.figures()}); per class:"
+                                              f" {self.per_class[c].reason if c in self.per_class else '-'}")
+                     for c in table}, run.autocast, self.fp8.chosen if self.fp8 is not None else {})
 
     # trials: the contenders on real training steps
 

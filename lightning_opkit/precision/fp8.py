@@ -419,7 +419,8 @@ def fp8_lines(fp8: Float8Linears, auto: list[str] | None = None) -> list[str]:
     Example:
         >>> fp8 = Float8Linears("tensorwise", census=lambda: None)
         >>> fp8.convert([("0", nn.Linear(32, 32)), ("1", nn.Linear(32, 10))], torch.device("cpu"))
-        >>> print("\\n".join(fp8_lines(fp8)))
+        >>> for line in fp8_lines(fp8):
+        ...     print(line)
           fp8: 1 GEMM module(s) in float8 (tensorwise scaling, torchao)
           fp8: left in bf16: 1 (32x10: float8 GEMMs need dimensions that are multiples of 16)
     """

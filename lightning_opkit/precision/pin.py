@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_opkit.precision.auto import Plan
+from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import GOVERNED
 
 __all__ = ["pinned_arguments", "plan_from_state", "plan_state"]
@@ -24,10 +25,11 @@ def plan_state(plan: Plan) -> dict[str, Any]:
         plan: the plan the policy runs.
 
     Example:
-        >>> plan_state(Plan({"matmul": ("bf16", "1.8x faster")}, fp8={"mlp.up": "1.4x faster than bf16"}))
+        >>> plan = Plan({"matmul": Decision("matmul", "bf16", "1.8x faster")}, fp8={"mlp.up": "1.4x faster than bf16"})
+        >>> plan_state(plan)
         {'classes': {'matmul': ['bf16', '1.8x faster']}, 'autocast': None, 'fp8': {'mlp.up': '1.4x faster than bf16'}}
     """
-    return {"classes": {c: [d, why] for c, (d, why) in plan.classes.items()}, "autocast": plan.autocast,
+    return {"classes": {c: [d.dtype, d.reason] for c, d in plan.classes.items()}, "autocast": plan.autocast,
             "fp8": dict(plan.fp8)}
 
 
@@ -40,14 +42,14 @@ def plan_from_state(state: dict[str, Any]) -> Plan:
     Example:
         >>> plan = plan_from_state({"classes": {"matmul": ["bf16", "1.8x faster"]}, "autocast": None})
         >>> plan.classes
-        {'matmul': ('bf16', '1.8x faster (measured before the checkpoint)')}
+        {'matmul': Decision(op_class='matmul', dtype='bf16', reason='1.8x faster (measured before the checkpoint)')}
         >>> plan_from_state(plan_state(plan)) == plan
         True
     """
     def restored(why: str) -> str:  # a plan resumed twice was still measured once
         return why if why.endswith(_BEFORE) else why + _BEFORE
 
-    classes = {c: (d, restored(why)) for c, (d, why) in state["classes"].items()}
+    classes = {c: Decision(c, d, restored(why)) for c, (d, why) in state["classes"].items()}
     # a checkpoint written before float8 was measured has no "fp8"
     return Plan(classes, state.get("autocast"), {n: restored(why) for n, why in state.get("fp8", {}).items()})
 

@@ -336,7 +336,7 @@ class PrecisionPolicy(OpkitCallback):
         governor = self._governor
         self._plan = plan
         governor.autocast, governor.autocast_device = plan.autocast, pl_module.device.type
-        self.decisions = {c: Decision(c, d, why) for c, (d, why) in plan.classes.items()}
+        self.decisions = dict(plan.classes)
         self.fp8.choose(plan.fp8, pl_module)
         table = dict(self.table)
         # Classes the model was not seen to run: fp32, or under plain autocast whatever autocast does with them.
@@ -357,7 +357,7 @@ class PrecisionPolicy(OpkitCallback):
         if self._facts is not None:
             record_facts(self._facts, self.table, self.decisions, self.measurements,
                          ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") +
-                         f" at step {self._measured_at}")
+                         f" at step {self._measured_at}", self._auto.fp8 if self.auto else None)
 
     # the decision kept across a resume
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_opkit.core.facts import RunFacts, SpeedFact
+from lightning_opkit.core.facts import Fp8Fact, RunFacts, SpeedFact
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.warn import warn_once
@@ -12,9 +12,10 @@ from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import GOVERNED
+from lightning_opkit.precision.fp8_measure import Fp8Measurements, Fp8Row
 from lightning_opkit.precision.results import PrecisionMeasurements
 
-__all__ = ["ASIDE", "CHARTS", "policy_markdown", "record_facts", "summary_lines", "write_census"]
+__all__ = ["ASIDE", "CHARTS", "fp8_fact", "policy_markdown", "record_facts", "summary_lines", "write_census"]
 
 #: the policy's TensorBoard charts: census error, underflow, fp16 headroom, calls, and what measuring cost
 CHARTS: dict[str, list[Any]] = {
@@ -106,7 +107,7 @@ def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrid
 
 
 def record_facts(facts: RunFacts, table: dict[str, str], decisions: dict[str, Decision],
-                 measured: PrecisionMeasurements | None, source: str) -> None:
+                 measured: PrecisionMeasurements | None, source: str, fp8: Fp8Measurements | None = None) -> None:
     """Tell the kit what runs in which dtype, what was measured (and by whom), and why a class stays in fp32.
 
     Args:
@@ -115,6 +116,7 @@ def record_facts(facts: RunFacts, table: dict[str, str], decisions: dict[str, De
         decisions: ``rules="auto"``'s decisions, by class.
         measured: the last measurements, if any.
         source: who measured, and when (``"PrecisionPolicy(rules='auto') at step 0"``).
+        fp8: ``rules="auto"``'s float8 measurement per Linear, if one ran.
     """
     facts.dtypes = {c: d for c, d in table.items() if c in GOVERNED and d != "keep"}
     facts.kept_fp32 = {c: (decisions[c].reason if c in decisions else "set to fp32 by its rules")
@@ -124,3 +126,24 @@ def record_facts(facts: RunFacts, table: dict[str, str], decisions: dict[str, De
             facts.speeds[(row.op_class, row.dtype)] = SpeedFact(
                 row.op_class, row.dtype, row.time_ratio, "this model's ops at the shapes of its first training"
                 " step, forward + backward, input casts included", source)
+    facts.fp8 = fp8_fact(fp8, source) if fp8 is not None else None
+
+
+def fp8_fact(fp8: Fp8Measurements, source: str) -> Fp8Fact | None:
+    """The kit's fact of a float8 measurement: every timed Linear together, and the chosen ones (``None``: none timed).
+
+    Args:
+        fp8: the measurement.
+        source: who measured, and when.
+    """
+    timed = [r for r in fp8.rows if r.base_ms is not None and r.fp8_ms is not None]
+    if not timed:
+        return None
+
+    def together(rows: list[Fp8Row]) -> SpeedFact:
+        ratio = sum(r.fp8_ms or 0.0 for r in rows) / max(sum(r.base_ms or 0.0 for r in rows), 1e-12)
+        return SpeedFact("matmul", "fp8", ratio, f"{len(rows)} Linears' GEMMs at this run's rows", source,
+                         baseline=rows[0].base, passes="forward and backward")
+
+    chosen = [r for r in timed if r.chosen]
+    return Fp8Fact(together(timed), tuple(r.module for r in chosen), len(timed), together(chosen) if chosen else None)

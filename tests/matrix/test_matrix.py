@@ -44,6 +44,7 @@ from lightning_opkit import (
     TorchCompile,
 )
 from lightning_opkit.precision.auto import Plan
+from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.fp8 import gemm_dims
 from lightning_opkit.precision.pin import plan_state
 
@@ -89,7 +90,7 @@ def _auto_fp8_policy(case: Case, **kw) -> PrecisionPolicy:
     """
     policy = PrecisionPolicy(census_every_n_steps=3, rules="auto", trial_rounds=0, **kw)
     linears = [n for n, m in ZooModule(case.model).named_modules() if gemm_dims(m) is not None]
-    policy.load_state_dict({"plan": plan_state(Plan({"matmul": ("bf16", "measured on a GPU")},
+    policy.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "bf16", "measured on a GPU")},
                                                     fp8=dict.fromkeys(linears, "measured on a GPU")))})
     return policy
 

@@ -369,7 +369,7 @@ def test_a_re_measurement_during_the_trials_ends_the_trial_step_in_progress():
     decide = lambda: auto.measure_and_decide(None, torch.zeros(8, 2), None, 0, ["bf16"], same, False, False)  # noqa: E731
     decide()
     assert auto.trialing
-    assert auto.begin_trial_step(cpu, census_step=False).classes["matmul"][0] == "bf16"  # "a" begins
+    assert auto.begin_trial_step(cpu, census_step=False).classes["matmul"].dtype == "bf16"  # "a" begins
     decide()  # contenders "c" and "d" now
     assert auto.end_trial_step(cpu, same) is None
     for _ in range(4):  # c d d c: the new trials run to the end and pick one of theirs

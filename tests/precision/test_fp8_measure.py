@@ -14,15 +14,17 @@ from helpers import read_events, snapshot, trainer
 from torch import nn
 from zoo import build
 
-from lightning_opkit import PrecisionPolicy
-from lightning_opkit.core.facts import FASTER
+from lightning_opkit import PrecisionPolicy, ProfilerWindows
+from lightning_opkit.core.facts import FASTER, facts_of
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.text import times_phrase
 from lightning_opkit.precision.auto import Plan
+from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.fp8 import Float8Linears, auto_candidates, gemm_dims
 from lightning_opkit.precision.fp8_measure import Fp8Measurements, measure_fp8
 from lightning_opkit.precision.pin import plan_state
 from lightning_opkit.precision.runner import StepRunner
+from lightning_opkit.profiler.roofline.levers import lever
 
 CPU = torch.device("cpu")
 
@@ -148,7 +150,15 @@ def test_try_fp8_is_checked_at_construction():
 def test_rules_auto_with_try_fp8_on_a_cpu_measures_each_linear_and_shows_the_figures(tmp_path):
     model = build("hf_gpt2")  # its projections are Hugging Face Conv1D modules
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0, try_fp8=True)
-    trainer(tmp_path, [policy], max_steps=2, max_epochs=-1, precision="bf16-mixed").fit(model, model.loader(n=16))
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, roofline=True, export_trace=False)
+    run = trainer(tmp_path, [policy, windows], max_steps=3, max_epochs=-1, precision="bf16-mixed")
+    run.fit(model, model.loader(n=16))
+    # the kit's fact of it, and the roofline's matmul lever, which rests on it
+    fact = facts_of(run).fp8
+    assert fact.timed == sum(1 for m in model.modules() if gemm_dims(m) is not None)
+    assert fact.chosen == ()
+    assert f"{fact.speed.phrase()}: no float8 lever here" in lever(windows.last_roofline.rows["matmul"],
+                                                                   windows.last_roofline)
     _, texts = read_events(str(tmp_path))
     decision = texts["opkit/precision/decision"][-1][1]
     assert "float8 per GEMM module (tensorwise scaling, torchao)" in decision
@@ -164,7 +174,7 @@ def test_a_checkpointed_float8_decision_runs_again_on_resume_without_measuring(t
     module = "model.model.layers.0.mlp.up_proj"
     first = PrecisionPolicy(rules="auto", census_every_n_steps=1, trial_rounds=0)
     # the decision a GPU run would have checkpointed: GEMMs in bf16, one MLP Linear in float8
-    first.load_state_dict({"plan": plan_state(Plan({"matmul": ("bf16", "1.8x faster than fp32")},
+    first.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "bf16", "1.8x faster than fp32")},
                                                    fp8={module: "1.42x faster than bf16"}))})
     model = build("hf_llama")
     run = trainer(tmp_path / "a", [first], max_steps=2, max_epochs=-1, precision="bf16-mixed")

@@ -7,6 +7,7 @@ from helpers import make_loader, read_events, snapshot, trainer
 
 from lightning_opkit import PrecisionPolicy
 from lightning_opkit.precision.auto import Plan
+from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
 from precision.test_policy import Probe
 
@@ -63,12 +64,13 @@ def test_the_printed_arguments_run_the_same_decision_in_the_next_run_unmeasured(
 
 
 def test_a_plan_survives_the_checkpoint_as_plain_types_and_its_arguments_say_the_same_table():
-    plan = Plan({"matmul": ("bf16", "1.8x faster"), "norm": ("fp32", "loss moved 3%")}, None)
+    plan = Plan({"matmul": Decision("matmul", "bf16", "1.8x faster"),
+                 "norm": Decision("norm", "fp32", "loss moved 3%")})
     state = plan_state(plan)
     assert yaml.safe_load(yaml.safe_dump(state)) == state  # plain types: any checkpoint format holds them
     again = plan_from_state(state)
-    assert {c: d for c, (d, _) in again.classes.items()} == {"matmul": "bf16", "norm": "fp32"}
-    assert all(why.endswith("(measured before the checkpoint)") for _, why in again.classes.values())
+    assert {c: d.dtype for c, d in again.classes.items()} == {"matmul": "bf16", "norm": "fp32"}
+    assert all(d.reason.endswith("(measured before the checkpoint)") for d in again.classes.values())
     words = pinned_arguments({"matmul": "bf16", "norm": "fp32", "conv": "fp32"}, None)
     assert "'matmul': 'bf16'" in words
     assert "auto" not in words

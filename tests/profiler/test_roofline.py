@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo import build
 
 from lightning_opkit import ProfilerWindows
-from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
+from lightning_opkit.core.facts import Fp8Fact, RunFacts, SpeedFact, facts_of
 from lightning_opkit.profiler.roofline.layout_speed import _step
 from lightning_opkit.profiler.roofline.levers import lever as lever_of
 from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
@@ -213,6 +213,45 @@ def test_no_precision_lever_for_a_class_the_policy_measured_and_kept_in_fp32():
     assert faster.phrase() in lever
     # the reason first: faster alone, the whole step measured otherwise
     assert "(table 'fp32' fastest as a whole step; alone, bf16 measured 2.00x faster" in lever
+
+
+def test_a_float8_lever_only_from_autos_measurement_and_only_for_matmul():
+    timed = SpeedFact("matmul", "fp8", 0.7, "6 Linears' GEMMs at this run's rows", "PrecisionPolicy(rules='auto') at"
+                      " step 0", baseline="bf16", passes="forward and backward")
+    chosen = SpeedFact("matmul", "fp8", 0.6, "4 Linears' GEMMs at this run's rows", timed.source, baseline="bf16",
+                       passes="forward and backward")
+    fact = Fp8Fact(timed, ("blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0", "blocks.1.mlp.2"), 6, chosen)
+    assert "float8" not in _lever(RunFacts())
+    lever = _lever(RunFacts(fp8=fact))
+    assert f"float8 runs 4 of 6 timed Linears ({chosen.phrase()})" in lever
+    assert "fp8 measured 1.67x faster than bf16 (forward and backward) at 4 Linears' GEMMs" in lever
+    slower = Fp8Fact(SpeedFact("matmul", "fp8", 40.1, "15 Linears' GEMMs at this run's rows", timed.source,
+                               baseline="bf16"), (), 15)
+    assert f"{slower.speed.phrase()}: no float8 lever here" in _lever(RunFacts(fp8=slower))
+    rows, peaks = _compute_bound_matmul()
+    conv = ClassRoofline("conv", {"fp32": 1e12}, bytes=1e9, seconds=2.0, calls=10)
+    assert "float8" not in lever_of(conv, RooflineReport({"conv": conv}, peaks, steps=1, step_seconds=2.0,
+                                                        facts=RunFacts(fp8=fact)))
+
+
+def test_a_float8_gemm_counts_its_flops_in_fp8():
+    # torch's profiler counts no FLOPs for _scaled_mm: forward, grad input and grad weight are each 2 M K N
+    from lightning_opkit.precision.fp8 import Float8Linears
+    from lightning_opkit.profiler.op_times import window_events
+    from lightning_opkit.profiler.roofline.work import _op_work
+
+    m, k, n = 64, 32, 48
+    linear = nn.Linear(k, n, bias=False)
+    fp8 = Float8Linears("tensorwise", census=lambda: None)
+    fp8.convert([("linear", linear)], torch.device("cpu"))
+    x = torch.randn(m, k, requires_grad=True)
+    prof = _profile(lambda: linear(x).sum().backward())
+    fp8.restore()
+    events = [e for e in window_events(prof) if e.key == "aten::_scaled_mm"]
+    assert len(events) == 3
+    work = [_op_work(e.key, "matmul", e) for e in events]
+    assert [w[0] for w in work] == [2.0 * m * k * n] * 3
+    assert {w[2] for w in work} == {"fp8"}
 
 
 class Wide(helpers.pl.LightningModule):

@@ -13,7 +13,7 @@ from lightning_opkit.opclass import GEMM_CLASSES
 from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.work import ClassRoofline
 
-__all__ = ["block_glob", "layout_lever", "lever", "precision_lever"]
+__all__ = ["block_glob", "fp8_lever", "layout_lever", "lever", "precision_lever"]
 
 
 
@@ -62,9 +62,26 @@ def precision_lever(row: ClassRoofline, report: RooflineReport) -> tuple[bool, s
 
 
 def _with_precision(text: str, row: ClassRoofline, report: RooflineReport) -> str:
-    """``text``, and what this run measured about the class in 16-bit, where it measured anything."""
+    """``text``, and what this run measured about the class in 16-bit (or float8), where it measured anything."""
     precision = precision_lever(row, report) if row.op_class in GEMM_CLASSES else None
-    return text if precision is None else f"{text}; {precision[1]}"
+    return _with_fp8(text if precision is None else f"{text}; {precision[1]}", row, report)
+
+
+def _with_fp8(text: str, row: ClassRoofline, report: RooflineReport) -> str:
+    fp8 = fp8_lever(row, report)
+    return text if fp8 is None else f"{text}; {fp8}"
+
+
+def fp8_lever(row: ClassRoofline, report: RooflineReport) -> str | None:
+    """What ``rules="auto"`` measured of the matmul class's Linears in float8, where it did; ``None`` otherwise.
+
+    Only from a measurement at the model's rows: float8 pays for wide GEMMs and loses for narrow ones, so no square
+    GEMM's peak and no datasheet speaks for it.
+    """
+    fp8 = report.facts.fp8 if report.facts is not None else None
+    if fp8 is None or row.op_class != "matmul":
+        return None
+    return fp8.phrase()
 
 
 def _gemm_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: float) -> str:
@@ -75,13 +92,13 @@ def _gemm_lever(row: ClassRoofline, report: RooflineReport, kind: str, pct: floa
                                " larger GEMMs (a bigger batch or sequence) raise its intensity", row, report)
     precision = precision_lever(row, report)
     if precision is not None and precision[0]:
-        return f"compute-bound at {pct:.0f}% of its fp32 peak; {precision[1]}"
+        return _with_fp8(f"compute-bound at {pct:.0f}% of its fp32 peak; {precision[1]}", row, report)
     if pct >= 50:
         text = f"compute-bound at {pct:.0f}% of its peak: near the roof; only less work helps"
     else:
         text = (f"compute-bound at only {pct:.0f}% of its peak: small or oddly shaped GEMMs; a bigger batch, widths in"
                 " multiples of 64")
-    return text + (f"; {precision[1]}" if precision is not None else "")
+    return _with_fp8(text + (f"; {precision[1]}" if precision is not None else ""), row, report)
 
 
 def _compiled(report: RooflineReport) -> bool:

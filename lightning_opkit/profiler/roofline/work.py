@@ -201,6 +201,10 @@ def grouped_mm_work(a: list[int], b: list[int], groups: int = 1) -> tuple[float,
 def _gemm_like(key: str, cls: str, event: Any, tensors: list[list[int]]) -> tuple[float, float]:
     """``(FLOPs, output elements)`` of a matmul, conv or attention op."""
     flops = float(event.flops or 0)
+    if key.endswith("_scaled_mm") and not flops and len(tensors) >= 2 and len(tensors[0]) == len(tensors[1]) == 2:
+        # float8 GEMMs (torchao's): the profiler counts none; (M, K) x (K, N), the scales beside them do no work
+        (m, k), n = tensors[0], tensors[1][1]
+        return 2.0 * m * k * n, float(m * n)
     if "grouped_mm" in key and len(tensors) >= 2:  # the profiler counts no FLOPs for it
         offsets = tensors[2] if len(tensors) > 2 and len(tensors[2]) == 1 else [1]
         return grouped_mm_work(tensors[0], tensors[1], offsets[0])
