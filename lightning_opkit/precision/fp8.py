@@ -17,6 +17,7 @@ runs float8 GEMMs without float8 units: they train (every test of the kit runs t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable, Iterator
@@ -197,11 +198,16 @@ def fp8_unit_note(device: torch.device | str) -> str:
 
 @functools.cache
 def gemm_function(recipe: str) -> tuple[Any, Any, Any]:
-    """The float8 matmul of torchao, its config for ``recipe``, and the GEMM configs it builds from that config."""
+    """The float8 matmul of torchao, its config for ``recipe``, and the GEMM configs it builds from that config.
+
+    The inner dimension is padded to a multiple of 16 where it is not one: CUDA's ``_scaled_mm`` refuses it otherwise,
+    and the weight gradient's GEMM has the rows of the batch as its inner dimension (a language model's ``batch x
+    (seq - 1)`` tokens seldom are a multiple of 16). The zeros change no value; the copy costs memory only then.
+    """
     from torchao.float8.config import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     with torch.device("meta"):  # only for torchao's GEMM configs, built from the recipe as it builds them
         mm_config = Float8Linear(16, 16, bias=False, config=config).linear_mm_config
     return matmul_with_hp_or_float8_args, config, mm_config

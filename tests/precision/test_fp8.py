@@ -256,3 +256,29 @@ def test_a_replay_runs_converted_modules_as_written_and_a_revert_is_for_good():
     assert "forward" not in vars(model[0])
     fp8.restore()
     assert torch.equal(model(x), exact)
+
+
+def test_a_batch_whose_rows_are_not_a_multiple_of_16_trains_with_the_inner_dimension_padded():
+    # CUDA's _scaled_mm needs the inner dimension in multiples of 16, and the weight gradient's inner dimension is the
+    # batch's rows (an LM's batch x (seq - 1) tokens): padded with zeros, the values are those of the unpadded GEMM
+    from lightning_opkit.precision.fp8 import gemm_function
+
+    _, config, mm_config = gemm_function("tensorwise")
+    assert config.pad_inner_dim
+    assert mm_config.grad_weight.pad_inner_dim
+    assert mm_config.output.pad_inner_dim
+    torch.manual_seed(0)
+    linear, x = nn.Linear(32, 32), torch.randn(7, 32, requires_grad=True)
+    fp8 = Float8Linears("tensorwise", census=lambda: None)
+    fp8.convert([("linear", linear)], torch.device("cpu"))
+    out = linear(x)
+    out.square().mean().backward()
+    fp8.restore()
+    padded_grad = linear.weight.grad.clone()
+    linear.weight.grad = None
+    assert torch.isfinite(padded_grad).all()
+    exact = linear(x)
+    exact.square().mean().backward()
+    # float8's own error, no more: the padding's zeros add nothing
+    assert torch.nn.functional.cosine_similarity(padded_grad.flatten(), linear.weight.grad.flatten(), dim=0) > 0.99
+    assert (out - exact).norm() / exact.norm() < 0.1
