@@ -275,6 +275,8 @@ class Float8Linears:
         self.by_override: set[str] = set()
         #: the converted modules ``rules="auto"`` chose by measurement -> the evidence
         self.by_auto: dict[str, str] = {}
+        #: modules a repair reverted: no later choice runs them in float8 in this fit
+        self.held: set[str] = set()
         self._live: dict[str, nn.Module] = {}
         self._patches: dict[str, Patches] = {}
         self._plain: set[nn.Module] = set()
@@ -320,13 +322,21 @@ class Float8Linears:
             model: the model the paths are in.
         """
         for name in [n for n in self.by_auto if n not in chosen]:
-            self.revert(name)
+            self._drop(name)
         modules = dict(model.named_modules())
-        self.convert([(n, modules[n]) for n in chosen if n in modules and n not in self._live], self.device)
+        # a module a repair pinned stays pinned: a later plan (a trial's end, a resume) does not convert it again
+        self.convert([(n, modules[n]) for n in chosen if n in modules and n not in self._live and n not in self.held],
+                     self.device)
         self.by_auto = {n: why for n, why in chosen.items() if n in self._live and n not in self.by_override}
 
     def revert(self, name: str) -> bool:
-        """Run module ``name`` (a converted one) as written from now on: a NaN repair's pin. Whether it was."""
+        """Run module ``name`` (a converted one) as written for the rest of the fit: a repair's pin. Whether it was."""
+        if not self._drop(name):
+            return False
+        self.held.add(name)
+        return True
+
+    def _drop(self, name: str) -> bool:
         if self._live.pop(name, None) is None:
             return False
         self._patches.pop(name).restore()
@@ -370,6 +380,7 @@ class Float8Linears:
         self.converted.clear()
         self.by_override.clear()
         self.by_auto.clear()
+        self.held.clear()
         self.skipped.clear()
 
     def _forward(self, name: str, gemm: nn.Module) -> Callable[..., Tensor]:
@@ -438,6 +449,9 @@ def fp8_lines(fp8: Float8Linears, auto: list[str] | None = None) -> list[str]:
         left = ", ".join(f"{n} ({why})" for n, why in sorted(fp8.skipped.items())[:6])
         more = f", and {len(fp8.skipped) - 6} more" if len(fp8.skipped) > 6 else ""
         lines.append(f"  fp8: left in {FP8_NEXT_NAME}: {left}{more}")
+    if fp8.by_auto and not auto:  # a decision a checkpoint brought: nothing measured in this fit
+        name, why = next(iter(fp8.by_auto.items()))
+        lines.append(f"  fp8: {len(fp8.by_auto)} GEMM module(s) in float8 by rules='auto', e.g. {name} ({why})")
     return lines + (auto or [])
 
 

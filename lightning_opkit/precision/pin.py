@@ -18,11 +18,12 @@ __all__ = ["pinned_arguments", "plan_from_state", "plan_state"]
 _BEFORE = " (measured before the checkpoint)"
 
 
-def plan_state(plan: Plan) -> dict[str, Any]:
+def plan_state(plan: Plan, fp8: dict[str, str] | None = None) -> dict[str, Any]:
     """``plan`` as checkpoint state (plain types).
 
     Args:
         plan: the plan the policy runs.
+        fp8: the float8 modules that run now, where a repair reverted some of the plan's (``None``: the plan's).
 
     Example:
         >>> plan = Plan({"matmul": Decision("matmul", "bf16", "1.8x faster")}, fp8={"mlp.up": "1.4x faster than bf16"})
@@ -30,7 +31,7 @@ def plan_state(plan: Plan) -> dict[str, Any]:
         {'classes': {'matmul': ['bf16', '1.8x faster']}, 'autocast': None, 'fp8': {'mlp.up': '1.4x faster than bf16'}}
     """
     return {"classes": {c: [d.dtype, d.reason] for c, d in plan.classes.items()}, "autocast": plan.autocast,
-            "fp8": dict(plan.fp8)}
+            "fp8": dict(plan.fp8 if fp8 is None else fp8)}
 
 
 def plan_from_state(state: dict[str, Any]) -> Plan:

@@ -365,7 +365,7 @@ class PrecisionPolicy(OpkitCallback):
     def state_dict(self) -> dict[str, Any]:
         if not self.auto or self._plan is None or self._auto.trialing:
             return {}
-        return {"plan": plan_state(self._plan)}
+        return {"plan": plan_state(self._plan, self.fp8.by_auto)}  # float8 as it runs: without a repair's pins
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -375,7 +375,7 @@ class PrecisionPolicy(OpkitCallback):
         """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""
         if not self.auto or self._plan is None:
             return None
-        return pinned_arguments(self.table, self._plan.autocast, list(self._plan.fp8), self.fp8_recipe)
+        return pinned_arguments(self.table, self._plan.autocast, list(self.fp8.by_auto), self.fp8_recipe)
 
     # batches: measure, trial, census
 

@@ -140,6 +140,10 @@ def test_a_new_choice_reverts_the_modules_it_no_longer_takes_and_a_pin_ends_one_
     assert fp8.revert("1")  # a NaN repair's pin
     assert (fp8.live, fp8.by_auto) == ([], {})
     assert "forward" not in vars(model[1])
+    fp8.choose({"0": "1.5x faster", "1": "1.3x faster"}, model)  # a trial's end, say: the pin holds
+    assert (fp8.live, fp8.by_auto) == (["0"], {"0": "1.5x faster"})
+    fp8.reset()
+    assert "forward" not in vars(model[0])
 
 
 def test_try_fp8_is_checked_at_construction():
@@ -194,4 +198,29 @@ def test_a_checkpointed_float8_decision_runs_again_on_resume_without_measuring(t
     assert f"overrides={{'{module}': 'fp8'}}" in again.decision_as_arguments()
     _, texts = read_events(str(tmp_path / "b"))
     assert f"| {module} | fp8 | rules='auto': 1.42x faster than bf16" in texts["opkit/precision/policy"][-1][1]
+    assert f"fp8: 1 GEMM module(s) in float8 by rules='auto', e.g. {module} (1.42x" in texts["opkit/summary"][-1][1]
     assert not [n for n, m in resumed.named_modules() if "forward" in vars(m)]
+
+
+def test_a_float8_overflow_in_a_module_auto_chose_is_repaired_and_the_checkpoint_keeps_the_repair(tmp_path):
+    from lightning_opkit import NaNDetector
+    from precision.test_fp8 import OutlierNet
+
+    torch.manual_seed(0)
+    model = OutlierNet()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 16, (64,), generator=g))
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "fp32", "measured")},
+                                                    fp8={"proj": "1.5x faster", "head": "1.2x faster"}))})
+    detector = NaNDetector(action="skip")
+    trainer(tmp_path, [policy, detector], max_steps=5, precision="32-true").fit(
+        model, torch.utils.data.DataLoader(data, batch_size=8))
+    assert [(e["step"], e["module"], e["cause"], e["repair"]) for e in detector.events] == [
+        (2, "proj", "precision", "proj -> fp32")]
+    assert policy.fp8.live == []
+    assert policy.fp8.held == {"proj"}
+    assert policy.fp8.converted == ["head"]  # what ran to the end
+    # the checkpoint and the arguments that run it again: float8 as it ran, without the repaired module
+    assert policy.state_dict()["plan"]["fp8"] == {"head": "1.2x faster (measured before the checkpoint)"}
+    assert policy.decision_as_arguments().endswith("overrides={'head': 'fp8'})")
