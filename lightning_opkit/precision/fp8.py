@@ -314,13 +314,16 @@ class Float8Linears:
         """The modules running float8 GEMMs now."""
         return list(self._live)
 
-    def choose(self, chosen: dict[str, str], model: nn.Module) -> None:
+    def choose(self, chosen: dict[str, str], model: nn.Module, overrides: dict[str, str] | None = None) -> None:
         """``rules="auto"``'s float8 modules (path -> evidence) from now on; those it no longer chose run as written.
 
         Args:
             chosen: the measured choice.
             model: the model the paths are in.
+            overrides: the module overrides: a module one decides is not auto's (a checkpoint's choice, say, made
+                under other overrides).
         """
+        chosen = {n: why for n, why in chosen.items() if _override_of(n, overrides or {}) is None}
         for name in [n for n in self.by_auto if n not in chosen]:
             self._drop(name)
         modules = dict(model.named_modules())

@@ -337,7 +337,7 @@ class PrecisionPolicy(OpkitCallback):
         self._plan = plan
         governor.autocast, governor.autocast_device = plan.autocast, pl_module.device.type
         self.decisions = dict(plan.classes)
-        self.fp8.choose(plan.fp8, pl_module)
+        self.fp8.choose(plan.fp8, pl_module, self.overrides)
         table = dict(self.table)
         # Classes the model was not seen to run: fp32, or under plain autocast whatever autocast does with them.
         table.update(dict.fromkeys(GOVERNED, "fp32" if plan.autocast is None else "keep"))

@@ -142,6 +142,8 @@ def test_a_new_choice_reverts_the_modules_it_no_longer_takes_and_a_pin_ends_one_
     assert "forward" not in vars(model[1])
     fp8.choose({"0": "1.5x faster", "1": "1.3x faster"}, model)  # a trial's end, say: the pin holds
     assert (fp8.live, fp8.by_auto) == (["0"], {"0": "1.5x faster"})
+    fp8.choose({"0": "1.5x faster"}, model, overrides={"0": "fp32"})  # an override decides: not auto's to choose
+    assert (fp8.live, fp8.by_auto) == ([], {})
     fp8.reset()
     assert "forward" not in vars(model[0])
 
