@@ -31,6 +31,7 @@ from lightning_opkit import (  # noqa: E402
     TorchCompile,
     replaying,
 )
+from lightning_opkit.core.facts import facts_of  # noqa: E402
 from lightning_opkit.profiler.roofline.levers import lever  # noqa: E402
 
 BAD_STEP = 3
@@ -186,7 +187,8 @@ def callbacks_for(name, root):
         made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip",
                                   decide="device" if "device" in name else "host")
     if "auto" in name:
-        made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2)
+        # auto-fp8: each Linear measured in float8 too (on a CPU, slower: none chosen), in lockstep on both ranks
+        made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2, try_fp8=True if "fp8" in name else None)
     elif "fp8" in name:
         made["precision"] = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=2, measure=False)
     elif "precision" in name or everything:
@@ -269,6 +271,8 @@ def fit(out, layout, name, steps=10):
         choice = made["precision"].choice
         result["chosen"] = choice.chosen if choice is not None else None
         result["fp8"] = [made["precision"].fp8.converted, sorted(made["precision"].fp8.skipped)]
+        fact = facts_of(trainer).fp8
+        result["fp8_fact"] = None if fact is None else [fact.timed, list(fact.chosen), fact.speed.ratio]
     if "profiler" in made:
         report = made["profiler"].last_report
         result["traces"] = [os.path.basename(p) for p in made["profiler"].trace_files]

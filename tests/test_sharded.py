@@ -14,8 +14,8 @@ import sys
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
-FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "nan-skip-fp8",
-             "profiler", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
+FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "auto-fp8",
+             "nan-skip-fp8", "profiler", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
@@ -199,6 +199,21 @@ def test_auto_measures_in_lockstep_and_every_rank_runs_rank_zeros_choice(runs, l
     assert r0["chosen"] is not None
     assert r0["census"] == r1["census"]
     _same_full_weights(r0["weights"], r1["weights"], exact=layout == "fsdp")
+
+
+def test_auto_measures_each_linear_in_float8_in_lockstep_under_fsdp2(runs):
+    # every rank times and replays the same Linears, and runs rank zero's verdicts: the 8-wide input projection and
+    # the 4-class head cannot run in float8, the blocks' six Linears are timed (slower on a CPU: none chosen)
+    r0, r1 = runs["fsdp"]["auto-fp8"]
+    for r in (r0, r1):
+        assert r["outcome"] == "finished"
+        assert r["global_step"] == 10
+    assert r0["fp8_fact"] == r1["fp8_fact"]  # rank zero's figures on both, to the last digit
+    assert r0["fp8_fact"][0] == 6
+    assert r0["fp8_fact"][1] == []
+    assert r0["fp8"] == r1["fp8"] == [[], []]
+    assert r0["table"] == r1["table"]
+    _same_full_weights(r0["weights"], r1["weights"], exact=True)
 
 
 def test_whole_forward_compiled_under_fsdp2(runs):
