@@ -145,7 +145,44 @@ class ShardedViT(ViTClassifier):
 
 
 def local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+    t = t.to_local() if hasattr(t, "to_local") else t
+    # under fp8_all_gather a float8 module's shard is torchao's wrapper over the same storage until teardown
+    return t if type(t) is torch.Tensor or not hasattr(t, "fsdp_pre_all_gather") else t._tensor
+
+
+class GatherProbe(pl.Callback):
+    """fp8_all_gather: the weight blocks.0.fc1's GEMM is handed, the state dict mid-fit, a checkpoint written then."""
+
+    def __init__(self, path):
+        self.path, self.seen, self.mid_fit_state, self.hook = path, set(), None, None
+
+    def attach(self, model):
+        self.hook = model.blocks[0].fc1.register_forward_pre_hook(
+            lambda module, args: self.seen.add(kind(module.weight)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 5:
+            self.mid_fit_state = sorted({kind(local_or_self(v)) for v in pl_module.state_dict().values()})
+            trainer.save_checkpoint(self.path)
+
+    def result(self, model, policy):
+        """After the fit: what was seen, the shards' types, and the weight a forward after teardown is handed."""
+        seen, self.seen = sorted(self.seen), set()
+        after = sorted({kind(local_or_self(p)) for p in model.parameters()})
+        model(torch.randn(4, 8))  # after teardown FSDP2 gathers the plain weight again
+        self.hook.remove()
+        return {"seen": seen, "after_forward": sorted(self.seen), "mid_fit_state": self.mid_fit_state, "after": after,
+                "state_dict_hooks": sum(len(m._state_dict_hooks) for m in model.modules()),
+                "gathered": policy.fp8.gather.gathered, "ckpt": self.path}
+
+
+def kind(t):
+    """A tensor's type name, a Parameter of a plain tensor being a plain ``Tensor``."""
+    return "Tensor" if type(t) in (torch.Tensor, nn.Parameter) else type(t).__name__
+
+
+def local_or_self(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def shard_state(trainer, model):
@@ -190,7 +227,8 @@ def callbacks_for(name, root):
         # auto-fp8: each Linear measured in float8 too (on a CPU, slower: none chosen), in lockstep on both ranks
         made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2, try_fp8=True if "fp8" in name else None)
     elif "fp8" in name:
-        made["precision"] = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=2, measure=False)
+        made["precision"] = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=2, measure=False,
+                                            fp8_all_gather="gather" in name)
     elif "precision" in name or everything:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, measure=False)
     if "profiler" in name or everything:
@@ -229,28 +267,36 @@ def resume(out, layout, name):
         json.dump(states, f)
 
 
+def model_and_loader(layout, name):
+    if layout == "vit":
+        return ShardedViT(), DataLoader(TensorDataset(*load_digits_tensors()), batch_size=16)
+    if layout.startswith("zoo:"):
+        model = ShardedZoo(layout[4:], faults={"forward": BAD_STEP})
+        return model, model.loader(n=96)
+    return ShardedMLP(layout, mixed="mixed" in name, fused="device" in name), make_loader(n=256, batch_size=8)
+
+
 def fit(out, layout, name, steps=10):
     torch.manual_seed(0)
     made = callbacks_for(name, os.path.join(out, name))
     probe = Probe()
+    gather = GatherProbe(os.path.join(out, f"{name}.ckpt")) if "gather" in name else None
     strategy = ModelParallelStrategy(data_parallel_size=1 if layout == "tp" else 2,
-                                     tensor_parallel_size=2 if layout == "tp" else 1)
+                                     tensor_parallel_size=2 if layout == "tp" else 1,
+                                     save_distributed_checkpoint=gather is None)  # a full checkpoint: one file
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         callbacks=[*made.values(), probe], enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[*made.values(), probe, *[gather] * (gather is not None)],
+                         enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=os.path.join(out, name))
-    if layout == "vit":
-        model, loader = ShardedViT(), DataLoader(TensorDataset(*load_digits_tensors()), batch_size=16)
-    elif layout.startswith("zoo:"):
-        model = ShardedZoo(layout[4:], faults={"forward": BAD_STEP})
-        loader = model.loader(n=96)
-    else:
-        model = ShardedMLP(layout, mixed="mixed" in name, fused="device" in name)
-        loader = make_loader(n=256, batch_size=8)
+    model, loader = model_and_loader(layout, name)
+    if gather is not None:
+        gather.attach(model)
     try:
         trainer.fit(model, loader)
         outcome = "finished"
     except NonFiniteError as err:
         outcome = "raised: " + str(err)[:200]
+    gathered = gather.result(model, made["precision"]) if gather is not None else None
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     result = {
         "outcome": outcome,
@@ -261,6 +307,8 @@ def fit(out, layout, name, steps=10):
             k for k in probe.before if probe.before[k] != probe.after[k]),
         "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
     }
+    if gathered is not None:
+        result["gather"] = gathered
     if "nan" in made:
         result["events"] = [[e["step"], e["phase"], e["module"], e["rank"], e["cause"]] for e in made["nan"].events]
         result["parameters"] = [e["parameter"] for e in made["nan"].events]

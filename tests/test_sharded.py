@@ -15,7 +15,8 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
 FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "auto-fp8",
-             "nan-skip-fp8", "profiler", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
+             "nan-skip-fp8", "nan-skip-fp8-gather", "profiler", "compile", "compile-whole", "all4", "all4-mixed",
+             "resume-dcp", "resume-full"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
@@ -142,6 +143,33 @@ def test_fp8_gemms_under_fsdp2_train_alike_on_both_ranks(runs):
     assert 1234.5 not in [v for w in r0["weights"].values() for v in w]  # no NaN reached the weights
     # float8 GEMMs did run: other weights than the same skip in fp32
     assert r0["weights"] != runs["fsdp"]["nan-skip"][0]["weights"]
+
+
+def test_fp8_all_gather_gathers_float8_weights_and_trains_as_the_float8_gemms_do(runs):
+    # fp8_all_gather=True: each block's float8 Linears have their weight shards cast to float8 before FSDP2 gathers
+    # them (a quarter of fp32's bytes); the GEMM receives the weight already in float8. The amax all-reduce gives
+    # every shard the whole weight's scale, so the run is the float8 run without it, bit for bit: same losses, same
+    # weights, the same NaN named (its fp32 replay runs the gathered weight back in fp32) and skipped.
+    import torch
+
+    fc = [f"blocks.{i}.{n}" for i in range(3) for n in ("fc1", "fc2")]
+    base = runs["fsdp"]["nan-skip-fp8"]
+    for r, b in zip(runs["fsdp"]["nan-skip-fp8-gather"], base):
+        assert (r["outcome"], r["global_step"], r["events"], r["skipped"]) == ("finished", 10, [POISON], 1)
+        gather = r["gather"]
+        assert gather["gathered"] == fc
+        assert gather["seen"] == ["Float8TrainingTensor"]
+        assert gather["mid_fit_state"] == ["Tensor"]  # the state dict hands out the plain shards
+        # teardown: plain shards, no state-dict hook, and FSDP2 gathers the plain weight again
+        assert (gather["after"], gather["after_forward"], gather["state_dict_hooks"]) == (["Tensor"], ["Tensor"], 0)
+        assert r["hooks_left"] == b["hooks_left"]
+        assert r["losses"] == b["losses"]
+        assert r["weights"] == b["weights"]
+    # the full checkpoint written at step 5 holds plain tensors: it loads into a model without torchao's types
+    state = torch.load(runs["fsdp"]["nan-skip-fp8-gather"][0]["gather"]["ckpt"], weights_only=True)["state_dict"]
+    assert state.keys() == base[0]["weights"].keys()
+    assert {type(v) for v in state.values()} == {torch.Tensor}
+    assert all(state[k].numel() == len(base[0]["weights"][k]) for k in state)
 
 
 def test_each_callback_alone_under_fsdp2(runs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["describe_error", "markdown_table", "times_phrase"]
+__all__ = ["describe_error", "markdown_table", "named_reasons", "times_phrase"]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -29,6 +29,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def named_reasons(reasons: dict[str, str], most: int = 6) -> str:
+    """``name (why), ...`` for the first ``most`` names in order, and how many more.
+
+    Example:
+        >>> named_reasons({"b": "too narrow", "a": "unsharded", "c": "x"}, most=2)
+        'a (unsharded), b (too narrow), and 1 more'
+    """
+    listed = ", ".join(f"{n} ({why})" for n, why in sorted(reasons.items())[:most])
+    return listed + (f", and {len(reasons) - most} more" if len(reasons) > most else "")
 
 
 def times_phrase(ratio: float) -> str:

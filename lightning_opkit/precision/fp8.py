@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_opkit.core.checks import check_choice
+from lightning_opkit.core.checks import check_bools, check_choice
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.select import match_rule
 from lightning_opkit.core.suspend import SUSPENDED
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.text import markdown_table, named_reasons
+from lightning_opkit.precision.fp8_gather import Float8AllGather, float8_weight, gather_lines, high_precision
 
 __all__ = ["EXTRA", "FP8", "Float8Linears", "Fp8Recipe", "auto_candidates", "check_fp8", "fp8_lines", "fp8_markdown",
            "fp8_modules", "fp8_unit_note", "gemm_dims", "gemm_function", "recipe_problem", "require_torchao",
@@ -90,19 +91,27 @@ def require_torchao(owner: str, where: str) -> None:
         raise ImportError(f"{owner}({where}) runs float8 GEMMs through torchao: {problem}")
 
 
-def check_fp8(rules: Any, overrides: Any, recipe: Any, try_fp8: Any = None) -> None:
-    """Raise for a bad ``fp8_recipe`` or ``try_fp8``, or for float8 asked for without torchao (after the rules' check).
+def check_fp8(rules: Any, overrides: Any, recipe: Any, try_fp8: Any = None, all_gather: Any = False) -> None:
+    """Raise for a bad ``fp8_recipe``, ``try_fp8`` or ``fp8_all_gather``, or for float8 asked for without torchao.
 
     Example:
         >>> check_fp8({"matmul": "bf16"}, None, "columnwise")
         Traceback (most recent call last):
         ...
         ValueError: Expected `fp8_recipe` to be one of ['tensorwise', 'rowwise'], but got 'columnwise'
+        >>> check_fp8({"matmul": "fp8"}, None, "rowwise", all_gather=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `fp8_recipe` to be 'tensorwise' with `fp8_all_gather=True`, but got 'rowwise'
     """
     check_choice("fp8_recipe", recipe, ["tensorwise", "rowwise"])
     check_choice("try_fp8", try_fp8, [None, True, False])
-    if try_fp8:
-        require_torchao("PrecisionPolicy", "try_fp8=True")
+    check_bools(fp8_all_gather=all_gather)
+    if all_gather and recipe != "tensorwise":  # torchao gathers a weight with one scale per tensor
+        raise ValueError(f"Expected `fp8_recipe` to be 'tensorwise' with `fp8_all_gather=True`, but got {recipe!r}")
+    for asked, where in ((try_fp8, "try_fp8=True"), (all_gather, "fp8_all_gather=True")):
+        if asked:
+            require_torchao("PrecisionPolicy", where)
     if isinstance(rules, dict) and rules.get("matmul") == FP8:
         require_torchao("PrecisionPolicy", "rules={'matmul': 'fp8'}")
     asked = [k for k, v in (overrides or {}).items() if v == FP8]
@@ -253,6 +262,7 @@ class Float8Linears:
         recipe: torchao's scaling recipe.
         census: returns the census of a census step (``None`` otherwise): fp8 calls are counted there, with their
             error against an fp32 recompute.
+        all_gather: under FSDP2, gather the converted modules' weights in float8 (:mod:`.fp8_gather`; tensorwise).
 
     Example:
         >>> fp8 = Float8Linears("tensorwise", census=lambda: None)
@@ -264,9 +274,13 @@ class Float8Linears:
         False
     """
 
-    def __init__(self, recipe: Fp8Recipe, census: Callable[[], Any]) -> None:
+    def __init__(self, recipe: Fp8Recipe, census: Callable[[], Any], all_gather: bool = False) -> None:
         self.recipe = recipe
         self.census = census
+        self.all_gather = all_gather
+        #: under FSDP2 with ``all_gather``: the modules whose weight is gathered in float8, and those left out
+        self.gather = Float8AllGather()
+        self._model: nn.Module | None = None
         #: the paths of the modules running float8 GEMMs (after teardown: those that ran them in the last fit)
         self.converted: list[str] = []
         #: module path -> why it was left in the class's next dtype
@@ -283,6 +297,20 @@ class Float8Linears:
         self._all_plain = 0
         #: where the modules run (set at setup)
         self.device = torch.device("cpu")
+
+    def start(self, model: nn.Module, table: dict[str, str], overrides: dict[str, str], device: torch.device) -> None:
+        """A fit's setup: forget the last fit, then run in float8 what rules and overrides ask (:func:`fp8_modules`).
+
+        Args:
+            model: the model.
+            table: op class -> dtype name.
+            overrides: module glob -> dtype name.
+            device: where the model runs.
+        """
+        self.reset()
+        self.device = device
+        for by_override, modules in fp8_modules(model, table, overrides).items():
+            self.convert(modules, device, by_override)
 
     def convert(self, modules: list[tuple[str, nn.Module]], device: torch.device, override: bool = False) -> None:
         """Run each of ``modules`` (path, module) that float8 can take in float8, until :meth:`restore`.
@@ -309,6 +337,13 @@ class Float8Linears:
             self._live[name] = module
             self.converted.append(name)
 
+    def gather_weights(self, model: nn.Module) -> bool:
+        """With ``all_gather``: from now on FSDP2 gathers each converted module's weight in float8; whether it asks."""
+        if self.all_gather:
+            self._model = model
+            self.gather.install(model, dict(self._live), gemm_function(self.recipe)[2])
+        return self.all_gather
+
     @property
     def live(self) -> list[str]:
         """The modules running float8 GEMMs now."""
@@ -330,6 +365,8 @@ class Float8Linears:
         # a module a repair pinned stays pinned: a later plan (a trial's end, a resume) does not convert it again
         self.convert([(n, modules[n]) for n in chosen if n in modules and n not in self._live and n not in self.held],
                      self.device)
+        if self._model is not None:  # the fit has started: auto's modules are gathered in float8 like the rules'
+            self.gather_weights(self._model)
         self.by_auto = {n: why for n, why in chosen.items() if n in self._live and n not in self.by_override}
 
     def revert(self, name: str) -> bool:
@@ -342,6 +379,7 @@ class Float8Linears:
     def _drop(self, name: str) -> bool:
         if self._live.pop(name, None) is None:
             return False
+        self.gather.release(name)
         self._patches.pop(name).restore()
         self.converted.remove(name)
         self.by_auto.pop(name, None)
@@ -371,6 +409,8 @@ class Float8Linears:
 
     def restore(self) -> None:
         """Every converted module runs as written again (teardown, an exception); what ran stays readable."""
+        self.gather.restore()
+        self._model = None
         for own in self._patches.values():
             own.restore()
         self._live.clear()
@@ -385,6 +425,7 @@ class Float8Linears:
         self.by_auto.clear()
         self.held.clear()
         self.skipped.clear()
+        self.gather.reset()
 
     def _forward(self, name: str, gemm: nn.Module) -> Callable[..., Tensor]:
         mm, config, mm_config = gemm_function(self.recipe)
@@ -394,7 +435,11 @@ class Float8Linears:
 
         def forward(input: Tensor) -> Tensor:
             if self._all_plain or module in self._plain:
-                return plain_forward(input)
+                if not float8_weight(module.weight):
+                    return plain_forward(input)
+                # FSDP2 gathered the weight in float8: as written, but with that weight in its own dtype
+                weight = high_precision(module.weight)
+                return F.linear(input, weight if transposed else weight.t(), module.bias)
             device = input.device.type
             if torch.is_autocast_enabled(device):
                 input = input.to(torch.get_autocast_dtype(device))  # as autocast would hand a GEMM its input
@@ -407,7 +452,8 @@ class Float8Linears:
             census = self.census()
             if census is not None:
                 with torch.no_grad(), SUSPENDED.scope(), autocast_off():
-                    ref = F.linear(input.float(), (module.weight if transposed else module.weight.t()).float(),
+                    high = high_precision(module.weight)
+                ref = F.linear(input.float(), (high if transposed else high.t()).float(),
                                    None if module.bias is None else module.bias.float())
                 census.record_as("matmul", CENSUS_DTYPE, out, name in self.by_override, ref)
             return out
@@ -449,9 +495,9 @@ def fp8_lines(fp8: Float8Linears, auto: list[str] | None = None) -> list[str]:
     if ruled:
         lines.append(f"  fp8: {len(ruled)} GEMM module(s) in float8 ({fp8.recipe} scaling, torchao)")
     if fp8.skipped:
-        left = ", ".join(f"{n} ({why})" for n, why in sorted(fp8.skipped.items())[:6])
-        more = f", and {len(fp8.skipped) - 6} more" if len(fp8.skipped) > 6 else ""
-        lines.append(f"  fp8: left in {FP8_NEXT_NAME}: {left}{more}")
+        lines.append(f"  fp8: left in {FP8_NEXT_NAME}: {named_reasons(fp8.skipped)}")
+    if fp8.all_gather:
+        lines += gather_lines(fp8.gather)
     if fp8.by_auto and not auto:  # a decision a checkpoint brought: nothing measured in this fit
         name, why = next(iter(fp8.by_auto.items()))
         lines.append(f"  fp8: {len(fp8.by_auto)} GEMM module(s) in float8 by rules='auto', e.g. {name} ({why})")
@@ -475,8 +521,10 @@ def fp8_markdown(fp8: Float8Linears) -> str:
     """
     if not (fp8.converted or fp8.skipped):
         return ""
-    rows = [[n, "fp8", "module override" if n in fp8.by_override else
-             f"rules='auto': {fp8.by_auto[n]}" if n in fp8.by_auto else "matmul rule"] for n in fp8.converted]
+    gathered = {n: "; its weight gathered in float8 (FSDP2)" for n in fp8.gather.gathered}
+    gathered.update({n: f"; its weight gathered in its own dtype ({why})" for n, why in fp8.gather.skipped.items()})
+    rows = [[n, "fp8", ("module override" if n in fp8.by_override else f"rules='auto': {fp8.by_auto[n]}"
+                        if n in fp8.by_auto else "matmul rule") + gathered.get(n, "")] for n in fp8.converted]
     rows += [[n, FP8_NEXT_NAME, why] for n, why in fp8.skipped.items()]
     return (f"\n\n**float8 GEMMs** ({fp8.recipe} scaling, torchao):\n\n"
             + markdown_table(["module", "runs in", "why"], rows))

@@ -46,7 +46,6 @@ from lightning_opkit.precision.fp8 import (
     check_fp8,
     fp8_lines,
     fp8_markdown,
-    fp8_modules,
     running_in,
 )
 from lightning_opkit.precision.fp8_measure import Fp8Ask
@@ -56,7 +55,15 @@ from lightning_opkit.precision.oplog import OpLog
 from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
-from lightning_opkit.precision.view import ASIDE, CHARTS, policy_markdown, record_facts, summary_lines, write_census
+from lightning_opkit.precision.view import (
+    ASIDE,
+    CHARTS,
+    policy_markdown,
+    record_facts,
+    summary_lines,
+    write_census,
+    write_speed_check,
+)
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
 
@@ -113,6 +120,8 @@ class PrecisionPolicy(OpkitCallback):
             class's dtype, and its error alone and with the others) and run it in float8 where it is 5% faster and
             within ``tolerance``. ``None``: where the device has float8 GEMM units (CUDA compute capability 8.9 or
             more); ``True``: on any device (a CPU measures it, slower); ``False``: never.
+        fp8_all_gather: under FSDP2, gather the float8 modules' weights in float8 (torchao's float8 all-gather: a
+            quarter of fp32's bytes, half of bf16's), from the fit's start; ``fp8_recipe="tensorwise"`` only.
         enabled: attach the callback; ``False`` (or its area, ``precision``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
@@ -144,6 +153,7 @@ class PrecisionPolicy(OpkitCallback):
         trial_rounds: int = 2,
         fp8_recipe: Fp8Recipe = "tensorwise",
         try_fp8: Optional[bool] = None,
+        fp8_all_gather: bool = False,
         enabled: bool = True,
         log_dir: Optional[str] = None,
         modules: Optional[dict[str, DtypeName]] = None,
@@ -160,7 +170,7 @@ class PrecisionPolicy(OpkitCallback):
                           counts=dict(census_every_n_steps=census_every_n_steps,
                                       remeasure_every_n_steps=remeasure_every_n_steps, trial_rounds=trial_rounds),
                           flags=dict(measure=measure, whole_step=whole_step))
-        check_fp8(rules, overrides, fp8_recipe, try_fp8)
+        check_fp8(rules, overrides, fp8_recipe, try_fp8, fp8_all_gather)
         self.rules: str | dict[str, str] | None = "auto" if rules == "auto" else (
             dict(rules) if rules is not None else None)  # type: ignore[arg-type]
         self.default = default
@@ -181,9 +191,9 @@ class PrecisionPolicy(OpkitCallback):
         #: with ``rules="auto"``: op class -> the decision and its evidence
         self.decisions: dict[str, Decision] = {}
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
-        self.fp8_recipe, self.try_fp8 = fp8_recipe, try_fp8
+        self.fp8_recipe, self.try_fp8, self.fp8_all_gather = fp8_recipe, try_fp8, fp8_all_gather
         #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
-        self.fp8 = Float8Linears(fp8_recipe, census=lambda: self._governor.state.census)
+        self.fp8 = Float8Linears(fp8_recipe, census=lambda: self._governor.state.census, all_gather=fp8_all_gather)
 
         self._governor = StepGovernor(self.table)
         #: modules pinned at run time (``pin``, a NaN repair) -> dtype
@@ -230,8 +240,8 @@ class PrecisionPolicy(OpkitCallback):
         """
         if op_class in NEVER_CAST:
             return "keep"
-        override_ = match_rule(module, self.overrides) if module is not None else None
-        return override_ if override_ is not None else self.table[op_class]
+        inside = match_rule(module, self.overrides) if module is not None else None
+        return inside if inside is not None else self.table[op_class]
 
     def running_in(self, module: torch.nn.Module | None, dtype: DtypeName) -> Any:
         """Inside, every op in ``module`` (``None``: in the whole step) runs in ``dtype``; NaN cause replays use it.
@@ -259,10 +269,6 @@ class PrecisionPolicy(OpkitCallback):
         self._governor.pinned = True
         self.pinned[name] = dtype
 
-    @property
-    def _passthrough(self) -> bool:
-        return self._governor.passthrough
-
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The census charts (error, underflow, fp16 headroom, calls) and what measuring cost."""
         return {"opkit precision": dict(CHARTS)}
@@ -270,7 +276,8 @@ class PrecisionPolicy(OpkitCallback):
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
         overrides = {**self.overrides, **{f"{k} (pinned by a NaN repair)": v for k, v in self.pinned.items()}}
-        lines = summary_lines(self.table, self.decisions, overrides, self._governor.autocast, self._passthrough,
+        governor = self._governor
+        lines = summary_lines(self.table, self.decisions, overrides, governor.autocast, governor.passthrough,
                               self._auto if self.auto else None)
         again = self.decision_as_arguments()
         lines += fp8_lines(self.fp8, self._auto.fp8_lines() if self.auto else None)
@@ -296,10 +303,7 @@ class PrecisionPolicy(OpkitCallback):
             rule = match_rule(name, self.overrides)
             # an fp8 override is about its Linears' GEMMs: its other ops run as their class rules say
             self._governor.hold_override(self._patches, module, None if rule == FP8 else DTYPES[rule])  # type: ignore[index]
-        self.fp8.reset()
-        self.fp8.device = trainer.strategy.root_device
-        for by_override, modules in fp8_modules(pl_module, self.table, self.overrides).items():
-            self.fp8.convert(modules, self.fp8.device, by_override)
+        self.fp8.start(pl_module, self.table, self.overrides, trainer.strategy.root_device)
         for method in _STEP_METHODS:
             # Lightning runs a validation/test loop only if the user overrode its step: a wrapper must not look like
             # an override of a method the user never wrote (predict_step's default does run, so it is governed).
@@ -314,6 +318,11 @@ class PrecisionPolicy(OpkitCallback):
         self._governor.passthrough, self._governor.autocast = False, None
         self._auto.reset()
         self._log_table(trainer.global_step)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.fp8.gather_weights(pl_module):  # FSDP2 shards in configure_model, after setup
+            self._log_table(trainer.global_step)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -435,9 +444,7 @@ class PrecisionPolicy(OpkitCallback):
         if log is not None:
             self._speed_measurements = check_speed(log, pl_module.device, self.table)
             self._record_facts()
-            if self._writer is not None and self._speed_measurements is not None:
-                self._writer.text("opkit/precision/sensitivity", self._speed_measurements.table(
-                    {c: self.table[c] for c in lowered(self.table)}), trainer.global_step)
+            write_speed_check(self._writer, self._speed_measurements, self.table, trainer.global_step)
         census, self._governor.census_done = self._governor.census_done, None
         if census is not None:
             rows = census.rows()
@@ -459,6 +466,6 @@ class PrecisionPolicy(OpkitCallback):
             {c: d.dtype for c, d in self.decisions.items()}), step)
         again = f"\n\nTo run it again without measuring: `{self.decision_as_arguments()}`"
         self._writer.text("opkit/precision/decision", self._auto.decision_markdown(
-            self.decisions, ASIDE if self._passthrough else "") + again, step)
+            self.decisions, ASIDE if self._governor.passthrough else "") + again, step)
         self._log_table(step)
         self._writer.flush()

@@ -14,6 +14,7 @@ from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import GOVERNED
 from lightning_opkit.precision.fp8_measure import Fp8Measurements, Fp8Row
 from lightning_opkit.precision.results import PrecisionMeasurements
+from lightning_opkit.precision.speed_check import lowered
 
 __all__ = ["ASIDE", "CHARTS", "fp8_fact", "policy_markdown", "record_facts", "summary_lines", "write_census"]
 
@@ -49,6 +50,20 @@ def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], overr
     if waiting:
         text = "rules='auto': every class in fp32 until measured at the first training batch.\n\n" + text
     return text
+
+
+def write_speed_check(writer: LogWriter | None, measured: PrecisionMeasurements | None, table: dict[str, str],
+                      step: int) -> None:
+    """Write the explicit rules' speed check (``opkit/precision/sensitivity``): each lowered class against fp32.
+
+    Args:
+        writer: the policy's writer (``None``: nothing written).
+        measured: the speed check's measurements (``None``: nothing was timed).
+        table: op class -> dtype name.
+        step: the global step.
+    """
+    if writer is not None and measured is not None:
+        writer.text("opkit/precision/sensitivity", measured.table({c: table[c] for c in lowered(table)}), step)
 
 
 def write_census(writer: LogWriter | None, rows: list[CensusRow], table: dict[str, str], step: int) -> None:

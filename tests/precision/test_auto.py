@@ -340,7 +340,7 @@ def test_auto_with_nothing_to_lower_stands_aside_and_the_model_runs_as_written(t
     auto = Injected([_row("matmul", speed=2.0), _row("norm", speed=1.5)], census_every_n_steps=3)
     trainer(tmp_path, [auto], max_steps=2).fit(model, make_loader())
     assert set(auto.table[c] for c in auto.decisions) == {"fp32"}
-    assert auto._passthrough
+    assert auto._governor.passthrough
     assert model.seen["explicit"] == torch.bfloat16  # not upcast: the policy found nothing worth lowering
     assert auto.census == {}  # it ran nothing, so it counts nothing (census steps included)
     assert any("stands aside" in line for line in auto.summary_lines())

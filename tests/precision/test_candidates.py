@@ -175,7 +175,7 @@ def test_auto_without_bf16_units_keeps_fp32_and_stands_aside(tmp_path):
     policy = Injected(rows, census_every_n_steps=0)
     trainer(tmp_path, [policy], max_steps=2).fit(model, make_loader())
     assert policy.choice.chosen == "fp32"
-    assert policy._passthrough
+    assert policy._governor.passthrough
     assert [r.name for r in policy.choice.runs if r.ms is not None] == ["fp32"]
     assert model.seen["linear"] == FP
     assert model.seen["matmul"] == FP
@@ -308,7 +308,7 @@ def test_plain_autocast_is_a_candidate_and_runs_as_bf16_mixed_when_chosen(tmp_pa
     plain = Probe()
     trainer(tmp_path / "plain", [], max_steps=3, precision="bf16-mixed").fit(plain, make_loader())
     assert policy.choice.chosen == AUTOCAST
-    assert policy._passthrough
+    assert policy._governor.passthrough
     assert chosen.seen == plain.seen
     assert chosen.seen["norm"] == BF
     assert {d.dtype for d in policy.decisions.values()} == {"keep"}

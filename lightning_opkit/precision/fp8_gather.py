@@ -1,0 +1,250 @@
+"""float8 all-gather under FSDP2: a float8 module's weight shards are cast to float8 before FSDP2 gathers them.
+
+A float8 GEMM casts its weight to float8 anyway; gathering the float8 shard (torchao's
+``WeightWithDynamicFloat8CastTensor``: one amax all-reduce for the scale, then 1 byte per element) sends a quarter of
+fp32's bytes and half of bf16's, and the gathered weight reaches the GEMM already cast.
+
+torchao sets this up by swapping each weight for the wrapped tensor before ``fully_shard``. The kit installs it after
+the strategy has sharded the model, on FSDP2's own parameter: the wrapped tensor becomes its DTensor's local shard
+over the same storage. So the parameter objects (the optimizer's), their values and a checkpoint's keys stay; a
+``state_dict`` hook hands out the plain shard (a checkpoint loads into a model without torchao); :meth:`release` puts
+the plain shard back and has FSDP2 build its gathered parameter afresh (a repair's pin, teardown).
+
+FSDP2's parameter internals are private: a torch whose FSDP2 lacks what this reads, a parameter sharded unevenly or on
+a mesh of more than one dimension, leaves that module gathered in its usual dtype, named once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.suspend import SUSPENDED
+from lightning_opkit.core.text import named_reasons
+
+__all__ = ["Float8AllGather", "float8_weight", "gather_lines", "high_precision"]
+
+
+@functools.cache
+def _float8_tensor() -> type | None:
+    try:
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+    except Exception:  # no torchao, or one that does not import with this torch: nothing is gathered in float8
+        return None
+    return Float8TrainingTensor
+
+
+def float8_weight(t: Tensor) -> bool:
+    """Whether ``t`` is a weight FSDP2 gathered in float8 (torchao's ``Float8TrainingTensor``).
+
+    Example:
+        >>> float8_weight(torch.ones(2))
+        False
+    """
+    cls = _float8_tensor()
+    return cls is not None and isinstance(t, cls)
+
+
+def high_precision(t: Tensor) -> Tensor:
+    """``t`` itself, or a float8-gathered weight back in its high-precision dtype (differentiably).
+
+    Example:
+        >>> high_precision(torch.ones(2))
+        tensor([1., 1.])
+    """
+    return t.to_original_precision() if float8_weight(t) else t  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass
+class _Held:
+    """One module's FSDP2 weight parameter gathered in float8: what to put back."""
+
+    fsdp_param: Any
+    owner: nn.Module
+    plain_local: Tensor
+    plain_data: Tensor
+    hook: RemovableHandle
+
+
+def _fsdp_params(model: nn.Module) -> dict[int, tuple[Any, nn.Module]]:
+    """FSDP2's parameter records of ``model`` and the FSDP2 module holding each, by the id of the weight's module."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return {}
+    found: dict[int, tuple[Any, nn.Module]] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                if fsdp_param._module_info.param_name == "weight":
+                    found[id(fsdp_param._module_info.module)] = (fsdp_param, module)
+    return found
+
+
+def _afresh(fsdp_param: Any) -> None:
+    """Have FSDP2 build this parameter's gathered tensor anew at its next all-gather (its dtype changed)."""
+    fsdp_param._init_extensions()
+    if hasattr(fsdp_param, "_unsharded_param"):
+        fsdp_param.free_unsharded_param()
+        del fsdp_param._unsharded_param
+    fsdp_param.all_gather_outputs = []
+    fsdp_param._unsharded_inner_tensors = []
+
+
+def _standing_aside(pre_all_gather: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The cast before the gather (torchao's), with the policy's mode and autocast aside: not the model's ops."""
+
+    def fsdp_pre_all_gather(mesh: Any) -> Any:  # FSDP2 reads the signature: the mesh alone, as torchao's
+        with SUSPENDED.scope(), autocast_off():
+            return pre_all_gather(mesh)
+
+    return fsdp_pre_all_gather
+
+
+def _plain_state(name: str) -> Any:
+    """A ``state_dict`` post-hook handing out module ``name``'s plain weight shard rather than the float8-cast one."""
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        key = prefix + "weight"
+        value: Any = state_dict.get(key)
+        wrapped: Any = value._local_tensor if isinstance(value, DTensor) else None
+        if hasattr(wrapped, "fsdp_pre_all_gather"):
+            state_dict[key] = DTensor.from_local(wrapped._tensor, value.device_mesh, value.placements, run_check=False,
+                                                 shape=value.shape, stride=value.stride())
+
+    return hook
+
+
+class Float8AllGather:
+    """The float8 modules whose weight FSDP2 gathers in float8, and those it could not (with why).
+
+    Example:
+        >>> gather = Float8AllGather()
+        >>> gather.install(nn.Sequential(nn.Linear(16, 16)), {"0": None}, None)  # not sharded: nothing to gather
+        >>> gather.live, gather.note
+        ([], 'the model has no FSDP2-sharded parameter: nothing is gathered')
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+        #: the modules whose weight FSDP2 gathers in float8 (after teardown: those it gathered so in the last fit)
+        self.gathered: list[str] = []
+        #: module path -> why its weight is gathered in its usual dtype
+        self.skipped: dict[str, str] = {}
+        #: why nothing was gathered in float8 (``""``: see :attr:`gathered` and :attr:`skipped`)
+        self.note = ""
+
+    @property
+    def live(self) -> list[str]:
+        """The modules whose weight is gathered in float8 now."""
+        return list(self._held)
+
+    def install(self, model: nn.Module, modules: dict[str, Any], mm_config: Any) -> None:
+        """Gather each of ``modules`` (path -> module; ``None``: look it up) in float8 where FSDP2 shards its weight.
+
+        Args:
+            model: the root module.
+            modules: the float8 modules.
+            mm_config: torchao's GEMM configs (the wrapped weight casts as the module's GEMM would).
+        """
+        records = _fsdp_params(model) if modules else {}
+        if modules and not records:
+            self.note = "the model has no FSDP2-sharded parameter: nothing is gathered"
+            return
+        for name, module in modules.items():
+            module = model.get_submodule(name) if module is None else module
+            if name in self._held:
+                continue
+            fsdp_param, owner = records.get(id(module), (None, None))
+            why = self._refusal(fsdp_param)
+            if why or owner is None:
+                self.skipped[name] = why
+                continue
+            self._wrap(name, module, fsdp_param, owner, mm_config)
+
+    @staticmethod
+    def _refusal(fsdp_param: Any) -> str:
+        if fsdp_param is None:
+            return "not an FSDP2-sharded parameter"
+        weight = fsdp_param.sharded_param
+        if weight.device_mesh.ndim != 1:
+            return "sharded on a mesh of more than one dimension"
+        if weight.shape[0] % weight.device_mesh.size():
+            return f"{weight.shape[0]} rows do not shard evenly over {weight.device_mesh.size()} ranks"
+        if not hasattr(fsdp_param, "_init_extensions"):
+            return f"torch {torch.__version__}'s FSDP2 has no all-gather extensions"
+        return ""
+
+    def _wrap(self, name: str, module: nn.Module, fsdp_param: Any, owner: nn.Module, mm_config: Any) -> None:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        owner.reshard()  # type: ignore[operator]  # a root keeps its gathered parameters after a forward alone
+        weight = fsdp_param.sharded_param
+        plain_local, plain_data = weight._local_tensor, fsdp_param._sharded_param_data
+        wrapped: Any = WeightWithDynamicFloat8CastTensor(plain_local, mm_config, torch.float8_e4m3fn)
+        wrapped.fsdp_pre_all_gather = _standing_aside(wrapped.fsdp_pre_all_gather)
+        weight._local_tensor = wrapped
+        fsdp_param._sharded_param_data = wrapped.view(-1)
+        _afresh(fsdp_param)
+        hook = module.register_state_dict_post_hook(_plain_state(name))
+        self._held[name] = _Held(fsdp_param, owner, plain_local, plain_data, hook)
+        self.gathered.append(name)
+
+    def release(self, name: str, forget: bool = True) -> bool:
+        """Gather module ``name``'s weight in its usual dtype again; whether it was gathered in float8.
+
+        Args:
+            name: the module's path.
+            forget: drop it from :attr:`gathered` too (a repair's pin; teardown keeps the record).
+        """
+        held = self._held.pop(name, None)
+        if held is None:
+            return False
+        if forget:
+            self.gathered.remove(name)
+        fsdp_param = held.fsdp_param
+        held.owner.reshard()  # type: ignore[operator]
+        fsdp_param.sharded_param._local_tensor = held.plain_local
+        fsdp_param._sharded_param_data = held.plain_data
+        _afresh(fsdp_param)
+        held.hook.remove()
+        return True
+
+    def restore(self) -> None:
+        """Every weight gathered in its usual dtype again (teardown, an exception)."""
+        for name in list(self._held):
+            self.release(name, forget=False)
+
+    def reset(self) -> None:
+        """Restore, and forget what ran and what was left out."""
+        self.restore()
+        self.gathered.clear()
+        self.skipped.clear()
+        self.note = ""
+
+
+def gather_lines(gather: Float8AllGather) -> list[str]:
+    """The run summary's lines on ``fp8_all_gather``: what FSDP2 gathered in float8, what it could not and why.
+
+    Example:
+        >>> gather = Float8AllGather()
+        >>> gather.install(nn.Sequential(nn.Linear(16, 16)), {"0": None}, None)
+        >>> gather_lines(gather)
+        ['  fp8: fp8_all_gather: the model has no FSDP2-sharded parameter: nothing is gathered']
+    """
+    lines = [f"  fp8: fp8_all_gather: {gather.note}"] if gather.note else []
+    if gather.gathered:
+        lines.append(f"  fp8: {len(gather.gathered)} weight(s) gathered by FSDP2 in float8 (torchao's all-gather)")
+    if gather.skipped:
+        lines.append(f"  fp8: weights gathered in their own dtype: {named_reasons(gather.skipped)}")
+    return lines
