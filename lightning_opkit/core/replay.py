@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_opkit.core.fsdp import fully_sharded, reshard
 from lightning_opkit.core.nesting import Nesting
 from lightning_opkit.core.patch import Patches
 
@@ -117,28 +118,6 @@ def loss_of(output: Any) -> Tensor | None:
     return output if isinstance(output, Tensor) else None
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _fully_sharded(model: nn.Module) -> bool:
-    return bool(_fsdp_modules(model))
-
-
-def reshard(model: nn.Module) -> None:
-    """Put FSDP2's parameters back in their shards after a replay (nothing without FSDP2).
-
-    The root (and any module with ``reshard_after_forward=False``) keeps its all-gathered parameters registered
-    after a forward until its backward; a forward-only replay has none, and would leave them there.
-    """
-    for module in _fsdp_modules(model):
-        module.reshard()  # type: ignore[operator]
-
-
 def replay_backward(model: nn.Module, loss: Tensor, params: Sequence[Tensor]) -> list[Tensor | None]:
     """The gradients of ``loss`` for ``params``, leaving every ``.grad`` as it was.
 
@@ -159,7 +138,7 @@ def replay_backward(model: nn.Module, loss: Tensor, params: Sequence[Tensor]) ->
         >>> replay_backward(nn.Linear(1, 1), (w * 3).sum(), [w]), w.grad
         ([tensor([3., 3.])], tensor([0., 0.]))
     """
-    if not _fully_sharded(model):
+    if not fully_sharded(model):
         return list(torch.autograd.grad(loss, params, allow_unused=True))
     saved = [p.grad for p in params]
     for p in params:

@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_opkit.core.dtypes import full_name
+from lightning_opkit.core.fsdp import reshard
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.ranks import local, local_floats
-from lightning_opkit.core.replay import REPLAYING, preserved, replay_backward, reshard, set_rng_state
+from lightning_opkit.core.replay import REPLAYING, preserved, replay_backward, set_rng_state
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_function, classify_module

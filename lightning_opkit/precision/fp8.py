@@ -341,7 +341,8 @@ class Float8Linears:
         """With ``all_gather``: from now on FSDP2 gathers each converted module's weight in float8; whether it asks."""
         if self.all_gather:
             self._model = model
-            self.gather.install(model, dict(self._live), gemm_function(self.recipe)[2])
+            _, config, mm_config = gemm_function(self.recipe)
+            self.gather.install(model, dict(self._live), mm_config, config)
         return self.all_gather
 
     @property

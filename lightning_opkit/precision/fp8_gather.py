@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.fsdp import weight_records
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import named_reasons
 
@@ -73,22 +74,6 @@ class _Held:
     hook: RemovableHandle
 
 
-def _fsdp_params(model: nn.Module) -> dict[int, tuple[Any, nn.Module]]:
-    """FSDP2's parameter records of ``model`` and the FSDP2 module holding each, by the id of the weight's module."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return {}
-    found: dict[int, tuple[Any, nn.Module]] = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                if fsdp_param._module_info.param_name == "weight":
-                    found[id(fsdp_param._module_info.module)] = (fsdp_param, module)
-    return found
-
-
 def _afresh(fsdp_param: Any) -> None:
     """Have FSDP2 build this parameter's gathered tensor anew at its next all-gather (its dtype changed)."""
     fsdp_param._init_extensions()
@@ -130,7 +115,7 @@ class Float8AllGather:
 
     Example:
         >>> gather = Float8AllGather()
-        >>> gather.install(nn.Sequential(nn.Linear(16, 16)), {"0": None}, None)  # not sharded: nothing to gather
+        >>> gather.install(nn.Sequential(nn.Linear(16, 16)), {"0": None}, None, None)  # not sharded: nothing to gather
         >>> gather.live, gather.note
         ([], 'the model has no FSDP2-sharded parameter: nothing is gathered')
     """
@@ -149,15 +134,16 @@ class Float8AllGather:
         """The modules whose weight is gathered in float8 now."""
         return list(self._held)
 
-    def install(self, model: nn.Module, modules: dict[str, Any], mm_config: Any) -> None:
+    def install(self, model: nn.Module, modules: dict[str, Any], mm_config: Any, config: Any) -> None:
         """Gather each of ``modules`` (path -> module; ``None``: look it up) in float8 where FSDP2 shards its weight.
 
         Args:
             model: the root module.
             modules: the float8 modules.
             mm_config: torchao's GEMM configs (the wrapped weight casts as the module's GEMM would).
+            config: torchao's ``Float8LinearConfig``: the weight is cast to its weight cast's float8 dtype.
         """
-        records = _fsdp_params(model) if modules else {}
+        records = weight_records(model) if modules else {}
         if modules and not records:
             self.note = "the model has no FSDP2-sharded parameter: nothing is gathered"
             return
@@ -170,7 +156,7 @@ class Float8AllGather:
             if why or owner is None:
                 self.skipped[name] = why
                 continue
-            self._wrap(name, module, fsdp_param, owner, mm_config)
+            self._wrap(name, module, fsdp_param, owner, mm_config, config.cast_config_weight.target_dtype)
 
     @staticmethod
     def _refusal(fsdp_param: Any) -> str:
@@ -185,13 +171,14 @@ class Float8AllGather:
             return f"torch {torch.__version__}'s FSDP2 has no all-gather extensions"
         return ""
 
-    def _wrap(self, name: str, module: nn.Module, fsdp_param: Any, owner: nn.Module, mm_config: Any) -> None:
+    def _wrap(self, name: str, module: nn.Module, fsdp_param: Any, owner: nn.Module, mm_config: Any,
+              dtype: torch.dtype) -> None:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         owner.reshard()  # type: ignore[operator]  # a root keeps its gathered parameters after a forward alone
         weight = fsdp_param.sharded_param
         plain_local, plain_data = weight._local_tensor, fsdp_param._sharded_param_data
-        wrapped: Any = WeightWithDynamicFloat8CastTensor(plain_local, mm_config, torch.float8_e4m3fn)
+        wrapped: Any = WeightWithDynamicFloat8CastTensor(plain_local, mm_config, dtype)
         wrapped.fsdp_pre_all_gather = _standing_aside(wrapped.fsdp_pre_all_gather)
         weight._local_tensor = wrapped
         fsdp_param._sharded_param_data = wrapped.view(-1)
@@ -238,7 +225,7 @@ def gather_lines(gather: Float8AllGather) -> list[str]:
 
     Example:
         >>> gather = Float8AllGather()
-        >>> gather.install(nn.Sequential(nn.Linear(16, 16)), {"0": None}, None)
+        >>> gather.install(nn.Sequential(nn.Linear(16, 16)), {"0": None}, None, None)
         >>> gather_lines(gather)
         ['  fp8: fp8_all_gather: the model has no FSDP2-sharded parameter: nothing is gathered']
     """

@@ -1,0 +1,46 @@
+"""FSDP2's modules and parameter records as opkit reads them (core/fsdp.py), on a real one-rank gloo group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_opkit.core.fsdp import fsdp_modules, fully_sharded, reshard, weight_records
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A Linear-ReLU-Linear whose first Linear and root are ``fully_shard``-ed over one gloo rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        yield model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_plain_model_has_no_fsdp_module_nor_record():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    assert fsdp_modules(model) == [] and not fully_sharded(model) and weight_records(model) == {}
+
+
+def test_the_sharded_modules_and_each_weight_s_record_and_owner_are_found(sharded):
+    assert fsdp_modules(sharded) == [sharded, sharded[0]] and fully_sharded(sharded)
+    records = weight_records(sharded)
+    assert set(records) == {id(sharded[0]), id(sharded[2])}  # weights only: no bias, no ReLU
+    record, owner = records[id(sharded[0])]
+    assert owner is sharded[0] and record.sharded_param is sharded[0].weight  # the optimizer's parameter
+    assert records[id(sharded[2])][1] is sharded  # the root's own Linear is gathered with the root
+
+
+def test_reshard_puts_back_what_a_forward_alone_left_gathered(sharded):
+    sharded(torch.randn(2, 8))  # no backward: the root keeps its Linear gathered
+    assert not isinstance(sharded[2].weight, DTensor)
+    reshard(sharded)
+    assert isinstance(sharded[2].weight, DTensor) and isinstance(sharded[0].weight, DTensor)
