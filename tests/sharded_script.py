@@ -151,29 +151,31 @@ def local(t):
 
 
 class GatherProbe(pl.Callback):
-    """fp8_all_gather: the weight blocks.0.fc1's GEMM is handed, the state dict mid-fit, a checkpoint written then."""
+    """fp8_all_gather: the weight the first gathered module's GEMM is handed, the state dict mid-fit, a checkpoint."""
 
     def __init__(self, path):
         self.path, self.seen, self.mid_fit_state, self.hook = path, set(), None, None
 
-    def attach(self, model):
-        self.hook = model.blocks[0].fc1.register_forward_pre_hook(
-            lambda module, args: self.seen.add(kind(module.weight)))
+    def on_train_start(self, trainer, pl_module):
+        policy = next(c for c in trainer.callbacks if isinstance(c, PrecisionPolicy))
+        # eager under TorchCompile too: the probe sees the tensor FSDP2 hands over, not dynamo's fake of it
+        seen = torch.compiler.disable(lambda module, args: self.seen.add(kind(module.weight)))
+        self.hook = pl_module.get_submodule(policy.fp8.gather.gathered[0]).register_forward_pre_hook(seen)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 5:
             self.mid_fit_state = sorted({kind(local_or_self(v)) for v in pl_module.state_dict().values()})
             trainer.save_checkpoint(self.path)
 
-    def result(self, model, policy):
+    def result(self, model, policy, batch):
         """After the fit: what was seen, the shards' types, and the weight a forward after teardown is handed."""
         seen, self.seen = sorted(self.seen), set()
         after = sorted({kind(local_or_self(p)) for p in model.parameters()})
-        model(torch.randn(4, 8))  # after teardown FSDP2 gathers the plain weight again
+        model(batch if isinstance(model, ZooModule) else batch[0])  # after teardown FSDP2 gathers the plain weight
         self.hook.remove()
         return {"seen": seen, "after_forward": sorted(self.seen), "mid_fit_state": self.mid_fit_state, "after": after,
                 "state_dict_hooks": sum(len(m._state_dict_hooks) for m in model.modules()),
-                "gathered": policy.fp8.gather.gathered, "ckpt": self.path}
+                "gathered": policy.fp8.gather.gathered, "skipped": policy.fp8.gather.skipped, "ckpt": self.path}
 
 
 def kind(t):
@@ -277,6 +279,9 @@ def model_and_loader(layout, name):
 
 
 def fit(out, layout, name, steps=10):
+    # each run as in a process of its own: dynamo's cache is per code object, and the blocks' forward is one code
+    # object over every run here, so later runs would find its recompile limit reached and run it eagerly
+    torch._dynamo.reset()
     torch.manual_seed(0)
     made = callbacks_for(name, os.path.join(out, name))
     probe = Probe()
@@ -289,14 +294,12 @@ def fit(out, layout, name, steps=10):
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=os.path.join(out, name))
     model, loader = model_and_loader(layout, name)
-    if gather is not None:
-        gather.attach(model)
     try:
         trainer.fit(model, loader)
         outcome = "finished"
     except NonFiniteError as err:
         outcome = "raised: " + str(err)[:200]
-    gathered = gather.result(model, made["precision"]) if gather is not None else None
+    gathered = gather.result(model, made["precision"], next(iter(loader))) if gather is not None else None
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     result = {
         "outcome": outcome,

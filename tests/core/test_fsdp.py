@@ -27,15 +27,19 @@ def sharded(tmp_path):
 
 def test_a_plain_model_has_no_fsdp_module_nor_record():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-    assert fsdp_modules(model) == [] and not fully_sharded(model) and weight_records(model) == {}
+    assert fsdp_modules(model) == []
+    assert not fully_sharded(model)
+    assert weight_records(model) == {}
 
 
 def test_the_sharded_modules_and_each_weight_s_record_and_owner_are_found(sharded):
-    assert fsdp_modules(sharded) == [sharded, sharded[0]] and fully_sharded(sharded)
+    assert fsdp_modules(sharded) == [sharded, sharded[0]]
+    assert fully_sharded(sharded)
     records = weight_records(sharded)
     assert set(records) == {id(sharded[0]), id(sharded[2])}  # weights only: no bias, no ReLU
     record, owner = records[id(sharded[0])]
-    assert owner is sharded[0] and record.sharded_param is sharded[0].weight  # the optimizer's parameter
+    assert owner is sharded[0]
+    assert record.sharded_param is sharded[0].weight
     assert records[id(sharded[2])][1] is sharded  # the root's own Linear is gathered with the root
 
 
@@ -43,4 +47,5 @@ def test_reshard_puts_back_what_a_forward_alone_left_gathered(sharded):
     sharded(torch.randn(2, 8))  # no backward: the root keeps its Linear gathered
     assert not isinstance(sharded[2].weight, DTensor)
     reshard(sharded)
-    assert isinstance(sharded[2].weight, DTensor) and isinstance(sharded[0].weight, DTensor)
+    assert isinstance(sharded[2].weight, DTensor)
+    assert isinstance(sharded[0].weight, DTensor)
