@@ -151,15 +151,26 @@ def local(t):
 
 
 class GatherProbe(pl.Callback):
-    """fp8_all_gather: the weight the first gathered module's GEMM is handed, the state dict mid-fit, a checkpoint."""
+    """fp8_all_gather: the weight the first gathered module's GEMM is handed (in training and, by step, in opkit's
+    replays), the state dict mid-fit, a checkpoint written then."""
 
     def __init__(self, path):
-        self.path, self.seen, self.mid_fit_state, self.hook = path, set(), None, None
+        self.path, self.seen, self.replayed, self.mid_fit_state, self.hook = path, set(), {}, None, None
+        self.float8_steps = set()  # the training steps in which the GEMM was handed a float8 weight
 
     def on_train_start(self, trainer, pl_module):
         policy = next(c for c in trainer.callbacks if isinstance(c, PrecisionPolicy))
-        # eager under TorchCompile too: the probe sees the tensor FSDP2 hands over, not dynamo's fake of it
-        seen = torch.compiler.disable(lambda module, args: self.seen.add(kind(module.weight)))
+
+        @torch.compiler.disable  # eager under TorchCompile too: the tensor FSDP2 hands over, not dynamo's fake of it
+        def seen(module, args):
+            handed = kind(module.weight)
+            if replaying():
+                self.replayed.setdefault(trainer.global_step, set()).add(handed)
+                return
+            self.seen.add(handed)
+            if handed != "Tensor":
+                self.float8_steps.add(trainer.global_step)
+
         self.hook = pl_module.get_submodule(policy.fp8.gather.gathered[0]).register_forward_pre_hook(seen)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -173,7 +184,10 @@ class GatherProbe(pl.Callback):
         after = sorted({kind(local_or_self(p)) for p in model.parameters()})
         model(batch if isinstance(model, ZooModule) else batch[0])  # after teardown FSDP2 gathers the plain weight
         self.hook.remove()
-        return {"seen": seen, "after_forward": sorted(self.seen), "mid_fit_state": self.mid_fit_state, "after": after,
+        replayed = {step: sorted(kinds) for step, kinds in self.replayed.items()}
+        return {"seen": seen, "replayed": replayed, "float8_steps": sorted(self.float8_steps),
+                "after_forward": sorted(self.seen),
+                "mid_fit_state": self.mid_fit_state, "after": after,
                 "state_dict_hooks": sum(len(m._state_dict_hooks) for m in model.modules()),
                 "gathered": policy.fp8.gather.gathered, "skipped": policy.fp8.gather.skipped, "ckpt": self.path}
 
@@ -225,7 +239,11 @@ def callbacks_for(name, root):
     if "nan" in name or everything:
         made["nan"] = NaNDetector(action="raise" if "raise" in name else "skip",
                                   decide="device" if "device" in name else "host")
-    if "auto" in name:
+    if "auto" in name and "gather" in name:
+        # auto measuring (again every 4 steps) while each block's fc1 runs float8 GEMMs, its weight gathered in float8
+        made["precision"] = PrecisionPolicy(rules="auto", overrides={"blocks.*.fc1": "fp8"}, remeasure_every_n_steps=4,
+                                            census_every_n_steps=2, fp8_all_gather=True)
+    elif "auto" in name:
         # auto-fp8: each Linear measured in float8 too (on a CPU, slower: none chosen), in lockstep on both ranks
         made["precision"] = SkewedAuto(rules="auto", census_every_n_steps=2, try_fp8=True if "fp8" in name else None)
     elif "fp8" in name:

@@ -16,8 +16,8 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
 FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "auto-fp8",
-             "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-compile", "profiler", "compile",
-             "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
+             "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-compile", "nan-skip-auto-fp8-gather",
+             "profiler", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
 ZOO_RUNS = ["plain", "all4", "all4-fp8-gather", "all5"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
@@ -187,6 +187,22 @@ def test_fp8_all_gather_under_regional_compile_computes_what_eager_does(runs):
         assert (r["gather"]["after"], r["gather"]["state_dict_hooks"]) == (["Tensor"], 0)
         assert r["losses"] == e["losses"]
         assert r["weights"] == e["weights"]
+
+
+def test_auto_measures_as_written_while_fp8_all_gather_holds_overridden_float8_modules(runs):
+    # rules="auto", measuring at step 0 and again every 4 steps, while an override keeps each block's fc1 in float8
+    # and FSDP2 gathers its weight in float8 from fit start: each measurement (its fp32 baseline and candidates) runs
+    # on the weight as written, not on the float8 one dequantized, and every training step after it is handed the
+    # float8 weight again. The NaN's replays at step 3 run the step as it ran, float8 weight included.
+    for r in runs["fsdp"]["nan-skip-auto-fp8-gather"]:
+        assert (r["outcome"], r["global_step"], r["events"], r["skipped"]) == ("finished", 10, [POISON], 1)
+        gather = r["gather"]
+        assert gather["gathered"] == ["blocks.0.fc1", "blocks.1.fc1", "blocks.2.fc1"]
+        assert gather["replayed"] == {"0": ["Tensor"], "3": ["Float8TrainingTensor"], "4": ["Tensor"], "8": ["Tensor"]}
+        assert gather["float8_steps"] == list(range(10))
+        assert (gather["after"], gather["state_dict_hooks"]) == (["Tensor"], 0)
+        assert "matmul:fp8" in r["census"]
+    _same_full_weights(*(r["weights"] for r in runs["fsdp"]["nan-skip-auto-fp8-gather"]))
 
 
 def test_fp8_all_gather_with_all_four_on_the_zoo_llama_under_fsdp2(runs):

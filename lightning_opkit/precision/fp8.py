@@ -393,13 +393,20 @@ class Float8Linears:
 
     @contextlib.contextmanager
     def plain(self, module: nn.Module | None) -> Iterator[None]:
-        """Inside, the converted modules at or under ``module`` (``None``: all) run as written: a replay's dtypes."""
+        """Inside, the converted modules at or under ``module`` (``None``: all) run as written: a replay's dtypes.
+
+        With ``module=None`` (a measurement) FSDP2 gathers their weights as written too, not in float8.
+        """
         if module is None:
+            # a measurement's fp32 baseline with the weights FSDP2 would gather in float8 gathered as they are
+            aside = [n for n in self.gather.live if self.gather.release(n, forget=False)] if not self._all_plain else []
             self._all_plain += 1
             try:
                 yield
             finally:
                 self._all_plain -= 1
+                if aside and self._model is not None:
+                    self.gather_weights(self._model)
             return
         added = {self._live[n] for n in self.inside(module)} - self._plain
         self._plain |= added

@@ -185,7 +185,8 @@ class Float8AllGather:
         _afresh(fsdp_param)
         hook = module.register_state_dict_post_hook(_plain_state(name))
         self._held[name] = _Held(fsdp_param, owner, plain_local, plain_data, hook)
-        self.gathered.append(name)
+        if name not in self.gathered:  # set aside for a measurement and installed again
+            self.gathered.append(name)
 
     def release(self, name: str, forget: bool = True) -> bool:
         """Gather module ``name``'s weight in its usual dtype again; whether it was gathered in float8.
