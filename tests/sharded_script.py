@@ -252,9 +252,9 @@ def callbacks_for(name, root):
     elif "precision" in name or everything:
         made["precision"] = PrecisionPolicy(census_every_n_steps=2, measure=False)
     if "profiler" in name or everything:
-        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True,  # logger=False: the
-                                           roofline=name == "profiler", memory_breakdown="all5" in name,  # traces asked
-                                           log_dir=root)
+        # logger=False: the traces asked for with log_dir
+        made["profiler"] = ProfilerWindows(every_n_steps=4, warmup=1, active=2, all_ranks=True, log_dir=root,
+                                           roofline=name.startswith("profiler"), memory_breakdown="all5" in name)
     if "compile" in name or everything:
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
     if "all5" in name:

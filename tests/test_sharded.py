@@ -17,7 +17,8 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
 FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "auto-fp8",
              "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-compile", "nan-skip-auto-fp8-gather",
-             "profiler", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
+             "profiler", "profiler-fp8", "profiler-fp8-gather", "compile", "compile-whole", "all4", "all4-mixed",
+             "resume-dcp", "resume-full"]
 ZOO_RUNS = ["plain", "all4", "all4-fp8-gather", "all5"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
@@ -187,6 +188,18 @@ def test_fp8_all_gather_under_regional_compile_computes_what_eager_does(runs):
         assert (r["gather"]["after"], r["gather"]["state_dict_hooks"]) == (["Tensor"], 0)
         assert r["losses"] == e["losses"]
         assert r["weights"] == e["weights"]
+
+
+def test_the_roofline_counts_the_bytes_fp8_all_gather_saves(runs):
+    # ProfilerWindows' roofline counts the bytes each collective is handed. float8 GEMMs alone gather what bf16 ones
+    # do (FSDP2 gathers the fp32 parameters); with fp8_all_gather the six block weights (3,072 elements) travel as
+    # 1 byte per element instead of 4: at least 3 bytes less per element and step
+    plain, fp8, gathered = (runs["fsdp"][n] for n in ("profiler", "profiler-fp8", "profiler-fp8-gather"))
+    for p, f, g in zip(plain, fp8, gathered, strict=True):
+        assert f["fp8"][0] == g["gather"]["gathered"] == [f"blocks.{i}.{n}" for i in range(3) for n in ("fc1", "fc2")]
+        assert f["roofline"]["comm_bytes"] == p["roofline"]["comm_bytes"] > 0
+        saved = f["roofline"]["comm_bytes"] - g["roofline"]["comm_bytes"]
+        assert saved >= 3 * 3072
 
 
 def test_auto_measures_as_written_while_fp8_all_gather_holds_overridden_float8_modules(runs):
