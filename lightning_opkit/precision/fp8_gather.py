@@ -10,8 +10,9 @@ over the same storage. So the parameter objects (the optimizer's), their values 
 ``state_dict`` hook hands out the plain shard (a checkpoint loads into a model without torchao); :meth:`release` puts
 the plain shard back and has FSDP2 build its gathered parameter afresh (a repair's pin, teardown).
 
-FSDP2's parameter internals are private: a torch whose FSDP2 lacks what this reads, a parameter sharded unevenly or on
-a mesh of more than one dimension, leaves that module gathered in its usual dtype, named once.
+FSDP2's parameter internals are private: a torch whose FSDP2 lacks what this reads, a parameter sharded unevenly, on
+a mesh of more than one dimension or resharded after forward to a smaller group, leaves that module gathered in its
+usual dtype, named once.
 """
 
 from __future__ import annotations
@@ -167,6 +168,10 @@ class Float8AllGather:
             return "sharded on a mesh of more than one dimension"
         if weight.shape[0] % weight.device_mesh.size():
             return f"{weight.shape[0]} rows do not shard evenly over {weight.device_mesh.size()} ranks"
+        post_forward = getattr(fsdp_param, "post_forward_mesh_info", None)
+        if post_forward is not None and post_forward != fsdp_param.mesh_info:
+            # FSDP2 raises NotImplementedError gathering an extension's tensor from such a post-forward shard
+            return "resharded after forward to a smaller group (reshard_after_forward=<int>)"
         if not hasattr(fsdp_param, "_init_extensions"):
             return f"torch {torch.__version__}'s FSDP2 has no all-gather extensions"
         return ""
