@@ -216,14 +216,8 @@ def test_a_float8_overflow_in_a_module_auto_chose_is_repaired_and_the_checkpoint
     policy.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "fp32", "measured")},
                                                     fp8={"proj": "1.5x faster", "head": "1.2x faster"}))})
     detector = NaNDetector(action="skip")
-    overflows = OutlierNet().float8_overflows()
     trainer(tmp_path, [policy, detector], max_steps=5, precision="32-true").fit(
         model, torch.utils.data.DataLoader(data, batch_size=8))
-    if not overflows:  # this machine's float8 GEMM trains through the outlier: nothing to repair, both stay in float8
-        assert detector.events == []
-        assert policy.fp8.converted == ["proj", "head"]
-        assert policy.decision_as_arguments().endswith("overrides={'proj': 'fp8', 'head': 'fp8'})")
-        return
     assert [(e["step"], e["module"], e["cause"], e["repair"]) for e in detector.events] == [
         (2, "proj", "precision", "proj -> fp32")]
     assert policy.fp8.live == []
