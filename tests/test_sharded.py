@@ -1,7 +1,7 @@
 """Real 2-process CPU runs (gloo) under Lightning's ModelParallelStrategy: FSDP2 and tensor parallel.
 
 Every callback alone and all four together on the 3-block MLP of sharded_script.py, whose block 1 writes a NaN on
-rank 1 only at step 3; all four on the zoo's Hugging Face Llama (also with float8 GEMMs and fp8_all_gather) and on the
+rank 1 only at step 3 (also under manual optimization); all four on the zoo's Hugging Face Llama (also with float8 GEMMs and fp8_all_gather) and on the
 example ViT (each block and the root fully_shard'ed);
 checkpoints through the strategy (distributed and full) and a resumed run.
 """
@@ -15,10 +15,10 @@ import sys
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
-FSDP_RUNS = ["plain", "nan-skip", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto", "auto-fp8",
-             "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-compile", "nan-skip-auto-fp8-gather",
-             "profiler", "profiler-fp8", "profiler-fp8-gather", "compile", "compile-whole", "all4", "all4-mixed",
-             "resume-dcp", "resume-full"]
+FSDP_RUNS = ["plain", "nan-skip", "nan-skip-manual", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto",
+             "auto-fp8", "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-manual",
+             "nan-skip-fp8-gather-compile", "nan-skip-auto-fp8-gather", "profiler", "profiler-fp8",
+             "profiler-fp8-gather", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
 ZOO_RUNS = ["plain", "all4", "all4-fp8-gather", "all5"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
@@ -188,6 +188,20 @@ def test_fp8_all_gather_under_regional_compile_computes_what_eager_does(runs):
         assert (r["gather"]["after"], r["gather"]["state_dict_hooks"]) == (["Tensor"], 0)
         assert r["losses"] == e["losses"]
         assert r["weights"] == e["weights"]
+
+
+@pytest.mark.parametrize("name", ["nan-skip", "nan-skip-fp8-gather"])
+def test_under_manual_optimization_a_nan_is_skipped_as_under_automatic(runs, name):
+    # the step zeroes, backpropagates and steps itself (automatic_optimization=False): the same NaN named on both
+    # ranks, nothing of the bad step reaches a shard, and the run is the automatic one's to the last bit
+    for r, auto in zip(runs["fsdp"][f"{name}-manual"], runs["fsdp"][name], strict=True):
+        assert (r["outcome"], r["global_step"], r["events"], r["skipped"]) == ("finished", 10, [POISON], 1)
+        assert r["changed_at_bad_step"] == []
+        assert r["losses"] == auto["losses"]
+        assert r["weights"] == auto["weights"]
+        if name.endswith("gather"):  # the GEMMs were handed float8 weights, gathered as under automatic
+            assert (r["gather"]["gathered"], r["gather"]["seen"]) == (auto["gather"]["gathered"],
+                                                                      ["Float8TrainingTensor"])
 
 
 def test_the_roofline_counts_the_bytes_fp8_all_gather_saves(runs):
