@@ -1,9 +1,9 @@
 """Real 2-process CPU runs (gloo) under Lightning's ModelParallelStrategy: FSDP2 and tensor parallel.
 
 Every callback alone and all four together on the 3-block MLP of sharded_script.py, whose block 1 writes a NaN on
-rank 1 only at step 3 (also under manual optimization); all four on the zoo's Hugging Face Llama (also with float8 GEMMs and fp8_all_gather) and on the
-example ViT (each block and the root fully_shard'ed);
-checkpoints through the strategy (distributed and full) and a resumed run.
+rank 1 only at step 3 (also under manual optimization); all four on the zoo's Hugging Face Llama (also with float8
+GEMMs and fp8_all_gather) and on the example ViT (each block and the root fully_shard'ed); checkpoints through the
+strategy (distributed and full) and a resumed run.
 """
 
 import json
