@@ -355,6 +355,8 @@ def fit(out, layout, name, steps=10):
         result["traces"] = [os.path.basename(p) for p in made["profiler"].trace_files]
         result["classes"] = report.class_percent() if report else {}
         result["ops"] = {r.name: r.op_class for r in report.ops} if report else {}
+        result["collective_calls"] = {r.name: r.calls for r in report.ops if r.name.startswith("c10d::")} \
+            if report else {}
         result["communication"] = [report.communication_us, report.exposed_communication_us] if report else None
         result["step_ms"] = report.step_time_ms if report else None
         roofline = made["profiler"].last_roofline

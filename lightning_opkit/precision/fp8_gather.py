@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -192,6 +193,28 @@ class Float8AllGather:
         self._held[name] = _Held(fsdp_param, owner, plain_local, plain_data, hook)
         if name not in self.gathered:  # set aside for a measurement and installed again
             self.gathered.append(name)
+
+    def precompute_scales(self) -> None:
+        """Every gathered weight's float8 scale from one all-reduce, before a step's first all-gather.
+
+        Without it each all-gather of a weight (forward, and again for backward) runs its own amax all-reduce: two
+        tiny collectives per weight and step. The scale is the one each gather would compute (the same amax, as
+        torchao's ``precompute_float8_dynamic_scale_for_fsdp`` computes it), so the run does not change. Called on
+        every rank at a batch's start, after anything that changed the weights; a weight installed since gathers
+        with its own amax until the next call.
+        """
+        if not self._held:
+            return
+        from torchao.float8.float8_utils import EPS
+
+        wrapped: list[Any] = [held.fsdp_param.sharded_param for held in self._held.values()]
+        with torch.no_grad(), SUSPENDED.scope(), autocast_off():
+            # the inf-norm of each DTensor is a partial max: the clamp on their stack reduces them all at once
+            amax: Any = torch.clamp(torch.stack(torch._foreach_norm(wrapped, ord=math.inf)), EPS).to(torch.float64)
+            dtype = wrapped[0]._local_tensor._dtype  # the recipe's one weight dtype
+            scales = (torch.finfo(dtype).max / amax).to_local().to(torch.float32)
+        for weight, scale in zip(wrapped, scales):
+            weight._local_tensor._precomputed_scale = scale
 
     def release(self, name: str, forget: bool = True) -> bool:
         """Gather module ``name``'s weight in its usual dtype again; whether it was gathered in float8.

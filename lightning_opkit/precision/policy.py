@@ -314,8 +314,7 @@ class PrecisionPolicy(OpkitCallback):
         self._open_writer(trainer, stage)
         self._facts = facts_of(trainer)
         self._record_facts()
-        self._measured_at = None
-        self._governor.passthrough, self._governor.autocast = False, None
+        self._measured_at, self._governor.passthrough, self._governor.autocast = None, False, None
         self._auto.reset()
         self._log_table(trainer.global_step)
 
@@ -391,6 +390,10 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._before_batch(trainer, pl_module, batch, batch_idx)
+        self.fp8.gather.precompute_scales()  # after any measurement or plan: the weights the step gathers
+
+    def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step, n = trainer.global_step, self.census_every_n_steps
         census_step = self._governor.census_step = n > 0 and step % n == 0
         if self._auto.trialing and self._measured_at != step:

@@ -87,6 +87,29 @@ def test_installed_again_after_a_restore_it_is_recorded_once(sharded):
     assert (gather.gathered, gather.live, gather_lines(gather)) == ([], [], [])
 
 
+def test_precomputed_scales_are_those_each_gather_would_compute(sharded):
+    gather = Float8AllGather()
+    _install(gather, sharded, ["0", "2"])
+    scales = {0: [], 2: []}  # the scale of the float8 weight each Linear is handed
+    hooks = [sharded[i].register_forward_pre_hook(lambda module, args, i=i: scales[i].append(module.weight._scale))
+             for i in (0, 2)]
+    x = torch.randn(4, 16)
+    try:
+        dynamic = sharded(x)  # each gather all-reduces its own amax
+        gather.precompute_scales()
+        assert all(sharded[i].weight._local_tensor._precomputed_scale is not None for i in (0, 2))
+        precomputed = sharded(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(dynamic, precomputed)
+    assert all(len(s) == 2 and torch.equal(s[0], s[1]) for s in scales.values())
+    gather.release("0")  # a weight installed afresh gathers with its own amax again
+    _install(gather, sharded, ["0"])
+    assert sharded[0].weight._local_tensor._precomputed_scale is None
+    gather.restore()
+
+
 def test_a_module_not_sharded_by_fsdp2_is_left_and_named(sharded):
     model = nn.ModuleDict({"sharded": sharded, "plain": Dequantizing(16, 16)})
     gather = Float8AllGather()
