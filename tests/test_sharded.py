@@ -209,13 +209,15 @@ def test_the_roofline_counts_the_bytes_fp8_all_gather_saves_and_one_all_reduce_s
     # do (FSDP2 gathers the fp32 parameters). With fp8_all_gather each rank hands its shard of a block's fc1 and fc2
     # weights (1,024 elements over 2 ranks: 512) at 1 byte an element instead of 4, and each of the 3 blocks is
     # gathered twice a step (forward, and again for backward: reshard_after_forward=True): 3 * 2 * 512 * 3 bytes
-    # less. The six scales come from one all-reduce at the batch's start (24 bytes, which gloo's records count up to
-    # 4 times on a CPU), not from an amax all-reduce in each of the 12 gathers.
+    # less. The six scales come from one all-reduce at the batch's start, not from an amax all-reduce in each of the
+    # 12 gathers: 24 bytes, which a CPU's gloo records twice (the functional collective, and gloo's own op on its
+    # worker thread); the collective's wait and autograd wrap move nothing and are not counted.
     plain, fp8, gathered = (runs["fsdp"][n] for n in ("profiler", "profiler-fp8", "profiler-fp8-gather"))
     for p, f, g in zip(plain, fp8, gathered, strict=True):
         assert f["fp8"][0] == g["gather"]["gathered"] == [f"blocks.{i}.{n}" for i in range(3) for n in ("fc1", "fc2")]
         assert f["roofline"]["comm_bytes"] == p["roofline"]["comm_bytes"] > 0
-        assert 0 < 3 * 2 * 512 * 3 - (f["roofline"]["comm_bytes"] - g["roofline"]["comm_bytes"]) <= 4 * 24
+        scale_bytes = 3 * 2 * 512 * 3 - (f["roofline"]["comm_bytes"] - g["roofline"]["comm_bytes"])
+        assert 24 <= scale_bytes <= 2 * 24  # gloo's worker-thread record is the one a busy machine may lose
         assert "c10d::allreduce_" not in f["collective_calls"]
         assert g["collective_calls"]["c10d::allreduce_"] == 1
         assert g["collective_calls"]["c10d::_allgather_base_"] == f["collective_calls"]["c10d::_allgather_base_"]

@@ -30,6 +30,9 @@ _ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "BFloa
              "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
 _DTYPE_NAMES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64",
                 "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8"}
+#: functional collectives' bookkeeping: a wait, a wrap for autograd (DTensor's and torchao's collectives go through
+#: them, each with the collective's tensor): no byte moves there, the collective itself counts them
+_NOT_TRANSFERS = ("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
 #: arithmetic per element of the elementwise-like classes (a LayerNorm reads, centres, squares, sums, scales)
 _FLOPS_PER_ELEMENT = {"norm": 8.0, "softmax": 5.0, "activation": 8.0, "loss": 4.0, "reduction": 1.0,
                       "pointwise": 1.0, "embedding": 0.0, "copy": 0.0}
@@ -328,7 +331,7 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
 
 def _add_communication(rows: dict[str, ClassRoofline], event: Any, tree: _Tree) -> None:
     parent = event.cpu_parent
-    if parent is not None and tree.cls(parent.key) == "communication":
+    if parent is not None and tree.cls(parent.key) == "communication" or event.key in _NOT_TRANSFERS:
         return  # gloo:all_reduce inside c10d::allreduce_: the outermost collective counts its bytes once
     moved = _bytes(list(event.input_shapes or []), list(getattr(event, "input_dtypes", None) or []))
     if moved:
