@@ -164,6 +164,7 @@ class GatherProbe(pl.Callback):
     def __init__(self, path):
         self.path, self.seen, self.replayed, self.mid_fit_state, self.hook = path, set(), {}, None, None
         self.float8_steps = set()  # the training steps in which the GEMM was handed a float8 weight
+        self.scale_kept = []  # the steps whose end still held a precomputed float8 scale
 
     def on_train_start(self, trainer, pl_module):
         policy = next(c for c in trainer.callbacks if isinstance(c, PrecisionPolicy))
@@ -178,9 +179,13 @@ class GatherProbe(pl.Callback):
             if handed != "Tensor":
                 self.float8_steps.add(trainer.global_step)
 
-        self.hook = pl_module.get_submodule(policy.fp8.gather.gathered[0]).register_forward_pre_hook(seen)
+        self.module = pl_module.get_submodule(policy.fp8.gather.gathered[0])
+        self.hook = self.module.register_forward_pre_hook(seen)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # the scale precomputed at the batch's start, dropped by the optimizer step (the weights changed)
+        if getattr(self.module.weight._local_tensor, "_precomputed_scale", None) is not None:
+            self.scale_kept.append(trainer.global_step)
         if trainer.global_step == 5:
             self.mid_fit_state = sorted({kind(local_or_self(v)) for v in pl_module.state_dict().values()})
             trainer.save_checkpoint(self.path)
@@ -193,6 +198,7 @@ class GatherProbe(pl.Callback):
         self.hook.remove()
         replayed = {step: sorted(kinds) for step, kinds in self.replayed.items()}
         return {"seen": seen, "replayed": replayed, "float8_steps": sorted(self.float8_steps),
+                "scale_kept": self.scale_kept,
                 "after_forward": sorted(self.seen),
                 "mid_fit_state": self.mid_fit_state, "after": after,
                 "state_dict_hooks": sum(len(m._state_dict_hooks) for m in model.modules()),

@@ -163,6 +163,9 @@ def test_fp8_all_gather_gathers_float8_weights_and_trains_as_the_float8_gemms_do
         assert gather["gathered"] == fc
         assert gather["seen"] == ["Float8TrainingTensor"]
         assert gather["mid_fit_state"] == ["Tensor"]  # the state dict hands out the plain shards
+        # each optimizer step drops the scales precomputed at its batch's start (the weights changed); only the
+        # skipped step (counted at its end as step 4) stepped nothing and keeps them
+        assert gather["scale_kept"] == [POISON[0] + 1]
         # teardown: plain shards, no state-dict hook, and FSDP2 gathers the plain weight again
         assert (gather["after"], gather["after_forward"], gather["state_dict_hooks"]) == (["Tensor"], ["Tensor"], 0)
         assert r["hooks_left"] == b["hooks_left"]
@@ -202,6 +205,7 @@ def test_under_manual_optimization_a_nan_is_skipped_as_under_automatic(runs, nam
         if name.endswith("gather"):  # the GEMMs were handed float8 weights, gathered as under automatic
             assert (r["gather"]["gathered"], r["gather"]["seen"]) == (auto["gather"]["gathered"],
                                                                       ["Float8TrainingTensor"])
+            assert r["gather"]["scale_kept"] == auto["gather"]["scale_kept"]  # the user's opt.step() drops them
 
 
 def test_the_roofline_counts_the_bytes_fp8_all_gather_saves_and_one_all_reduce_sets_every_scale(runs):

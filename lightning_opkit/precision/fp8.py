@@ -337,12 +337,18 @@ class Float8Linears:
             self._live[name] = module
             self.converted.append(name)
 
-    def gather_weights(self, model: nn.Module) -> bool:
-        """With ``all_gather``: from now on FSDP2 gathers each converted module's weight in float8; whether it asks."""
+    def gather_weights(self, model: nn.Module, optimizers: list[torch.optim.Optimizer] | None = None) -> bool:
+        """With ``all_gather``: from now on FSDP2 gathers each converted module's weight in float8; whether it asks.
+
+        Args:
+            model: the root module.
+            optimizers: the fit's optimizers, at its start: each step drops the precomputed float8 scales.
+        """
         if self.all_gather:
             self._model = model
             _, config, mm_config = gemm_function(self.recipe)
             self.gather.install(model, dict(self._live), mm_config, config)
+            self.gather.watch(optimizers or [])
         return self.all_gather
 
     @property

@@ -124,6 +124,7 @@ class Float8AllGather:
 
     def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
+        self._step_hooks: list[RemovableHandle] = []
         #: the modules whose weight FSDP2 gathers in float8 (after teardown: those it gathered so in the last fit)
         self.gathered: list[str] = []
         #: module path -> why its weight is gathered in its usual dtype
@@ -200,8 +201,9 @@ class Float8AllGather:
         Without it each all-gather of a weight (forward, and again for backward) runs its own amax all-reduce: two
         tiny collectives per weight and step. The scale is the one each gather would compute (the same amax, as
         torchao's ``precompute_float8_dynamic_scale_for_fsdp`` computes it), so the run does not change. Called on
-        every rank at a batch's start, after anything that changed the weights; a weight installed since gathers
-        with its own amax until the next call.
+        every rank at a batch's start. An optimizer step (see :meth:`watch`) drops the scales: until the next call
+        each gather computes its own again (a validation loop, a forward after ``step`` in a manual step), as does a
+        weight installed since.
         """
         if not self._held:
             return
@@ -215,6 +217,23 @@ class Float8AllGather:
             scales = (torch.finfo(dtype).max / amax).to_local().to(torch.float32)
         for weight, scale in zip(wrapped, scales):
             weight._local_tensor._precomputed_scale = scale
+
+    def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Drop the precomputed scales whenever one of ``optimizers`` has stepped: the weights changed.
+
+        An optimizer that changes the weights between the closure calls of one step (LBFGS) runs its later calls
+        with the scales of the batch's start: a weight grown past its amax there saturates in float8.
+
+        Args:
+            optimizers: the fit's optimizers (the hooks go at :meth:`restore`).
+        """
+        for optimizer in optimizers:
+            # after the step, not before: Lightning runs the step's forward and backward inside ``step(closure)``
+            self._step_hooks.append(optimizer.register_step_post_hook(lambda *args: self._drop_scales()))
+
+    def _drop_scales(self) -> None:
+        for held in self._held.values():
+            held.fsdp_param.sharded_param._local_tensor._precomputed_scale = None
 
     def release(self, name: str, forget: bool = True) -> bool:
         """Gather module ``name``'s weight in its usual dtype again; whether it was gathered in float8.
@@ -237,7 +256,10 @@ class Float8AllGather:
         return True
 
     def restore(self) -> None:
-        """Every weight gathered in its usual dtype again (teardown, an exception)."""
+        """Every weight gathered in its usual dtype again, no optimizer watched (teardown, an exception)."""
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks.clear()
         for name in list(self._held):
             self.release(name, forget=False)
 

@@ -320,7 +320,7 @@ class PrecisionPolicy(OpkitCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.fp8.gather_weights(pl_module):  # FSDP2 shards in configure_model, after setup
+        if self.fp8.gather_weights(pl_module, trainer.optimizers):  # FSDP2 shards in configure_model, after setup
             self._log_table(trainer.global_step)
 
     @override

@@ -104,10 +104,16 @@ def test_precomputed_scales_are_those_each_gather_would_compute(sharded):
             hook.remove()
     assert torch.equal(dynamic, precomputed)
     assert all(len(s) == 2 and torch.equal(s[0], s[1]) for s in scales.values())
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    gather.watch([optimizer])
+    sharded(x).sum().backward()
+    optimizer.step()  # the weights change: the scales precomputed before are dropped
+    assert all(sharded[i].weight._local_tensor._precomputed_scale is None for i in (0, 2))
     gather.release("0")  # a weight installed afresh gathers with its own amax again
     _install(gather, sharded, ["0"])
     assert sharded[0].weight._local_tensor._precomputed_scale is None
     gather.restore()
+    assert not optimizer._optimizer_step_post_hooks  # restore leaves the optimizer as it was
 
 
 def test_a_module_not_sharded_by_fsdp2_is_left_and_named(sharded):
