@@ -19,7 +19,7 @@ FSDP_RUNS = ["plain", "nan-skip", "nan-skip-manual", "nan-skip-device", "nan-rai
              "auto-fp8", "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-manual",
              "nan-skip-fp8-gather-compile", "nan-skip-auto-fp8-gather", "profiler", "profiler-fp8",
              "profiler-fp8-gather", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
-ZOO_RUNS = ["plain", "all4", "all4-fp8-gather", "all5"]
+ZOO_RUNS = ["plain", "all4", "all4-fp8-gather", "all5", "all5-fp8-gather"]
 TP_RUNS = ["plain", "nan-skip", "auto", "all4", "all5"]
 POISON = [3, "forward", "blocks.1.poison", 1, "data_or_model"]  # step, phase, module, rank, cause
 
@@ -397,6 +397,28 @@ def test_activation_checkpointing_and_the_memory_view_with_all_four_under_fsdp2(
         assert activations > 0
         assert r["hooks_left"] == runs["zoo:hf_llama"]["plain"][0]["hooks_left"]
         assert r["losses"] == pytest.approx(same["losses"], rel=1e-5)
+    _same_full_weights(r0["weights"], r1["weights"])
+
+
+def test_activation_checkpointing_of_float8_gemms_gathered_in_float8_under_fsdp2(runs):
+    # all5 with the float8 policy and fp8_all_gather: each checkpointed block's recompute runs its float8 GEMMs on the
+    # weight FSDP2 gathers again in float8, and the run computes what all4-fp8-gather computed. (The census's fp32
+    # reference of a float8 GEMM once saved tensors in the forward that the recompute did not: CheckpointError.)
+    # The memory view reads the plain shards inside torchao's wrappers, and the float8 weights saved for backward.
+    without = runs["zoo:hf_llama"]["all4-fp8-gather"]
+    r0, r1 = runs["zoo:hf_llama"]["all5-fp8-gather"]
+    for r, same in zip((r0, r1), without, strict=True):
+        assert (r["outcome"], r["events"]) == ("finished", same["events"])
+        assert r["checkpointed"] == ["model.model.layers.0", "model.model.layers.1"]
+        assert (r["gather"]["gathered"], r["gather"]["seen"]) == (same["gather"]["gathered"], ["Float8TrainingTensor"])
+        assert "matmul:fp8" in r["census"]
+        assert r["hooks_left"] == same["hooks_left"]
+        assert r["losses"] == pytest.approx(same["losses"], rel=1e-5, nan_ok=True)
+        # the memory view and the saved-tensor count read the plain shards inside torchao's wrappers (once their
+        # storage could not be read: RuntimeError at the first count)
+        parameters, gradients, _ = r["memory"]
+        assert parameters == gradients == r["local_parameter_bytes"]
+        assert r["saved_cut"] > 0.2
     _same_full_weights(r0["weights"], r1["weights"])
 
 

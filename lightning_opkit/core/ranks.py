@@ -20,6 +20,8 @@ __all__ = ["Ranks", "local", "local_floats"]
 def local(tensor: Any) -> Any:
     """The part of ``tensor`` this rank holds: a DTensor's local shard (FSDP2, tensor parallel), else itself.
 
+    A shard FSDP2 gathers through an all-gather extension that wraps it (``fp8_all_gather``) is the plain shard inside.
+
     Statistics of a DTensor (``amax``, ``isfinite().all()``) are collectives with partial placements that do not
     mix; opkit's checks and census read the local shard, which costs no communication.
 
@@ -28,7 +30,10 @@ def local(tensor: Any) -> Any:
         tensor([1., 1.])
     """
     to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
+    shard = to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
+    # FSDP2's float8 all-gather (torchao's cast wrapper) wraps the plain shard: its storage and values are that one's
+    return shard._tensor if hasattr(shard, "fsdp_pre_all_gather") and isinstance(shard, torch.Tensor) and \
+        hasattr(shard, "_tensor") else shard
 
 
 def local_floats(value: Any) -> list[torch.Tensor]:

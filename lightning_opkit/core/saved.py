@@ -18,7 +18,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from lightning_opkit.core.ranks import local, local_floats
 from lightning_opkit.opclass import classify_name
 
-__all__ = ["SavedBytes"]
+__all__ = ["SavedBytes", "plain_tensors"]
 
 
 class SavedBytes:
@@ -101,27 +101,46 @@ class SavedBytes:
         That is what autograd saves, and what a selective checkpoint keeps in its own cache.
         """
         for tensor in local_floats(value) if not isinstance(value, Tensor) else [value]:
-            t = local(tensor)
-            key = _key(t)
-            size = t.untyped_storage().nbytes()
-            if key in self._owned:
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.weights += size
-                continue
-            path = self._stack[-1] if self._stack else ""
-            if self._attributing:
-                for prefix in _prefixes(path):
-                    seen = self._module_seen.setdefault(prefix, set())
-                    if key not in seen:
-                        seen.add(key)
-                        self.by_module[prefix] = self.by_module.get(prefix, 0) + size
-            if key in self._seen:
-                continue
-            self._seen.add(key)
-            self.activations += size
-            cell = (path, _producer(tensor))
-            self.cells[cell] = self.cells.get(cell, 0) + size
+            for t in plain_tensors(local(tensor)):
+                self._note(tensor, t)
+
+    def _note(self, tensor: Tensor, t: Tensor) -> None:
+        """Count ``t``, a plain tensor of ``tensor`` (itself, or one inside a wrapper such as a float8 weight)."""
+        key = _key(t)
+        size = t.untyped_storage().nbytes()
+        if key in self._owned:
+            if key not in self._seen:
+                self._seen.add(key)
+                self.weights += size
+            return
+        path = self._stack[-1] if self._stack else ""
+        if self._attributing:
+            for prefix in _prefixes(path):
+                seen = self._module_seen.setdefault(prefix, set())
+                if key not in seen:
+                    seen.add(key)
+                    self.by_module[prefix] = self.by_module.get(prefix, 0) + size
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.activations += size
+        cell = (path, _producer(tensor))
+        self.cells[cell] = self.cells.get(cell, 0) + size
+
+
+def plain_tensors(t: Tensor) -> list[Tensor]:
+    """``t``, or the plain tensors a wrapper subclass holds (a float8 weight: its 1-byte data and its scale).
+
+    A wrapper subclass has no storage of its own to read; what it holds in memory is its inner tensors'.
+
+    Example:
+        >>> [x.shape for x in plain_tensors(torch.ones(2, 3))]
+        [torch.Size([2, 3])]
+    """
+    if getattr(type(t), "__tensor_flatten__", None) is None:
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [plain for name in names for plain in plain_tensors(getattr(t, name))]
 
 
 def _prefixes(path: str) -> list[str]:

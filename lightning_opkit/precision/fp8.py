@@ -33,6 +33,7 @@ from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.select import match_rule
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import markdown_table, named_reasons
+from lightning_opkit.core.torch_compat import outside_dispatch_modes
 from lightning_opkit.precision.fp8_gather import Float8AllGather, float8_weight, gather_lines, high_precision
 
 __all__ = ["EXTRA", "FP8", "Float8Linears", "Fp8Recipe", "auto_candidates", "check_fp8", "fp8_lines", "fp8_markdown",
@@ -465,9 +466,11 @@ class Float8Linears:
                     out = out + module.bias.to(out.dtype)
             census = self.census()
             if census is not None:
-                with torch.no_grad(), SUSPENDED.scope(), autocast_off():
+                # the fp32 reference is bookkeeping: no autograd graph (an activation checkpoint would count what it
+                # saves, and its recompute runs without the census), no cast of the policy's, no dispatch mode's cache
+                with torch.no_grad(), SUSPENDED.scope(), autocast_off(), outside_dispatch_modes():
                     high = high_precision(module.weight)
-                ref = F.linear(input.float(), (high if transposed else high.t()).float(),
+                    ref = F.linear(input.float(), (high if transposed else high.t()).float(),
                                    None if module.bias is None else module.bias.float())
                 census.record_as("matmul", CENSUS_DTYPE, out, name in self.by_override, ref)
             return out

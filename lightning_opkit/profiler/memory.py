@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_opkit.core.ranks import local
-from lightning_opkit.core.saved import SavedBytes
+from lightning_opkit.core.saved import SavedBytes, plain_tensors
 from lightning_opkit.core.timing import StepClock
 
 __all__ = ["MemoryProbe", "MemoryReport", "tensor_bytes"]
@@ -38,11 +38,11 @@ def tensor_bytes(tensors: Any) -> int:
     for tensor in tensors:
         if not isinstance(tensor, Tensor):
             continue
-        t = local(tensor)
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
+        for t in plain_tensors(local(tensor)):
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
     return total
 
 

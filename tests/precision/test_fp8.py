@@ -183,6 +183,24 @@ def test_an_fp8_overflow_is_named_with_cause_precision_and_the_module_pinned_bac
     assert snapshot(model) == before
 
 
+def test_a_census_of_float8_gemms_inside_activation_checkpoints_leaves_the_recompute_as_the_forward(tmp_path):
+    # The census's fp32 reference of a float8 GEMM ran with autograd on: a checkpointed block's forward saved its
+    # tensors, the recompute (no census there) did not, and torch.utils.checkpoint raised CheckpointError at the
+    # first census step. Every step a census step here; the same losses as without the census.
+    from lightning_opkit import ActivationCheckpointing
+
+    def run(census):
+        policy = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=census, measure=False)
+        checkpointing = ActivationCheckpointing(measure_steps=1)
+        _, losses = _train(tmp_path / str(census), "hf_llama", [policy, checkpointing], 3, precision="32-true")
+        return policy, checkpointing, losses
+
+    policy, checkpointing, losses = run(1)
+    assert checkpointing.checkpointed == ["model.model.layers.0", "model.model.layers.1"]
+    assert ("matmul", "fp8") in policy.census
+    assert losses == run(0)[2]
+
+
 def test_fp8_arguments_are_checked_at_construction():
     with pytest.raises(ValueError, match=r"`rules\['conv'\]` is 'fp8': float8 runs the GEMMs of Linear layers"):
         PrecisionPolicy(rules={"conv": "fp8"})

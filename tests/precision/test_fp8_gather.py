@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from lightning_opkit.core.ranks import local
+from lightning_opkit.core.saved import plain_tensors
 from lightning_opkit.precision.fp8 import gemm_function
 from lightning_opkit.precision.fp8_gather import Float8AllGather, float8_weight, gather_lines
 from tests.precision.fp8_gather_script import Dequantizing
@@ -60,6 +62,10 @@ def test_install_gathers_in_float8_and_the_state_dict_and_release_hand_back_plai
     _install(gather, sharded, ["0", "2"])
     assert (gather.gathered, gather.live, gather.skipped) == (["0", "2"], ["0", "2"], {})
     assert _handed(sharded, 0) == [True]
+    # what the kit reads as this rank's shard (checks, memory, the saved-tensor count) is the plain tensor inside
+    assert type(local(sharded[0].weight)) is torch.Tensor
+    (inner,) = plain_tensors(sharded[0].weight.to_local())  # the wrapper holds the plain shard alone
+    assert inner.untyped_storage().data_ptr() == local(sharded[0].weight).untyped_storage().data_ptr()
     state = sharded.state_dict()
     assert {type(v.to_local()) for v in state.values()} == {torch.Tensor}
     assert torch.equal(state["0.weight"].to_local(), plain_local)  # the same values: the wrapper is over them
