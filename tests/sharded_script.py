@@ -344,6 +344,8 @@ def fit(out, layout, name, steps=10):
     }
     if gathered is not None:
         result["gather"] = gathered
+        # the scales' drop after each optimizer step is a step hook: gone with the fit, as after an exception
+        gathered["optimizer_hooks"] = sum(len(o._optimizer_step_post_hooks) for o in trainer.optimizers)
     if "nan" in made:
         result["events"] = [[e["step"], e["phase"], e["module"], e["rank"], e["cause"]] for e in made["nan"].events]
         result["parameters"] = [e["parameter"] for e in made["nan"].events]

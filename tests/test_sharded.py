@@ -16,7 +16,7 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharded_script.py")
 FSDP_RUNS = ["plain", "nan-skip", "nan-skip-manual", "nan-skip-device", "nan-raise", "nan-shard", "precision", "auto",
-             "auto-fp8", "nan-skip-fp8", "nan-skip-fp8-gather", "nan-skip-fp8-gather-manual",
+             "auto-fp8", "nan-skip-fp8", "nan-skip-fp8-gather", "nan-raise-fp8-gather", "nan-skip-fp8-gather-manual",
              "nan-skip-fp8-gather-compile", "nan-skip-auto-fp8-gather", "profiler", "profiler-fp8",
              "profiler-fp8-gather", "compile", "compile-whole", "all4", "all4-mixed", "resume-dcp", "resume-full"]
 ZOO_RUNS = ["plain", "all4", "all4-fp8-gather", "all5", "all5-fp8-gather"]
@@ -168,6 +168,7 @@ def test_fp8_all_gather_gathers_float8_weights_and_trains_as_the_float8_gemms_do
         assert gather["scale_kept"] == [POISON[0] + 1]
         # teardown: plain shards, no state-dict hook, and FSDP2 gathers the plain weight again
         assert (gather["after"], gather["after_forward"], gather["state_dict_hooks"]) == (["Tensor"], ["Tensor"], 0)
+        assert gather["optimizer_hooks"] == 0
         assert r["hooks_left"] == b["hooks_left"]
         assert r["losses"] == b["losses"]
         assert r["weights"] == b["weights"]
@@ -176,6 +177,19 @@ def test_fp8_all_gather_gathers_float8_weights_and_trains_as_the_float8_gemms_do
     assert state.keys() == base[0]["weights"].keys()
     assert {type(v) for v in state.values()} == {torch.Tensor}
     assert all(state[k].numel() == len(base[0]["weights"][k]) for k in state)
+
+
+def test_after_an_exception_fp8_all_gather_leaves_the_model_and_optimizer_as_they_were(runs):
+    # action="raise": the fit ends in NonFiniteError at step 3 on both ranks; the plain shards are back, no state-dict
+    # or optimizer hook is left, and FSDP2 gathers the plain weight again, as after a fit that finished
+    finished = runs["fsdp"]["nan-skip-fp8-gather"]
+    for r, f in zip(runs["fsdp"]["nan-raise-fp8-gather"], finished, strict=True):
+        assert r["outcome"].startswith("raised: Non-finite output at global step 3")
+        gather = r["gather"]
+        assert gather["seen"] == ["Float8TrainingTensor"]
+        assert (gather["after"], gather["after_forward"], gather["state_dict_hooks"]) == (["Tensor"], ["Tensor"], 0)
+        assert gather["optimizer_hooks"] == 0
+        assert r["hooks_left"] == f["hooks_left"]
 
 
 def test_fp8_all_gather_under_regional_compile_computes_what_eager_does(runs):
