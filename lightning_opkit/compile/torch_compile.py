@@ -108,9 +108,10 @@ class TorchCompile(OpkitCallback):
         measure_speedup: Optional[bool] = None,
     ) -> None:
         super().__init__(enabled, log_dir)
-        if measure_speedup is not None:  # the old flag was off by default, yet eager_if_slower timed each region
-            measure_speedup = measure_speedup or eager_if_slower
+        asked = measure
         measure = renamed(type(self).__name__, "measure_speedup", measure_speedup, "measure", measure, True)
+        if measure_speedup is False and asked:  # the old flag was off by default, yet eager_if_slower timed each region
+            measure = eager_if_slower
         check_compile_args(modules, backend, mode, options, dynamic, on_recompile_limit, fullgraph=fullgraph,
                            fallback=fallback, measure=measure, eager_if_slower=eager_if_slower)
         self.modules: list[str] | str | None = modules if modules in (None, "auto") else list(modules)

@@ -97,6 +97,11 @@ class OpkitCallback(Callback):
         """This callback's charts in TensorBoard's Custom Scalars tab: category -> title -> ``["Multiline", tags]``."""
         return {}
 
+    @property
+    def writer(self) -> LogWriter | None:
+        """Where this callback writes in the stage running now (``None`` outside one)."""
+        return self._writer
+
     def _open_writer(self, trainer: pl.Trainer, stage: str) -> LogWriter:
         """A fresh writer for this stage; at a fit's setup, also arm the run summary."""
         if self._writer is not None:

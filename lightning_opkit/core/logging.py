@@ -79,9 +79,9 @@ def _file_name(tag: str) -> str:
 class LogWriter:
     """Write opkit's scalars, tables and pictures to TensorBoard and to the Trainer's other loggers.
 
-    TensorBoard: the Trainer's ``TensorBoardLogger`` writer; without one, a writer of opkit's own in ``log_dir`` when
-    the user gave one, else none (``logger=False`` writes no file). Only global rank zero writes; on other ranks every
-    method is a no-op.
+    TensorBoard: every ``TensorBoardLogger`` of the Trainer (each gets every tag); without one, a writer of opkit's own
+    in ``log_dir`` when the user gave one, else none (``logger=False`` writes no file). Only global rank zero writes; on
+    other ranks every method is a no-op.
 
     Args:
         trainer: the running trainer.
@@ -91,43 +91,46 @@ class LogWriter:
         >>> import tempfile
         >>> writer = LogWriter(pl.Trainer(logger=False), log_dir=tempfile.mkdtemp())
         >>> writer.scalar("opkit/nan/events", 1, step=10)
-        >>> writer.active, writer.tensorboard_dir is not None
-        (True, True)
+        >>> writer.active, len(writer.tensorboard_dirs)
+        (True, 1)
         >>> writer.close()
         >>> LogWriter(pl.Trainer(logger=False)).active  # nothing to write to
         False
     """
 
     def __init__(self, trainer: pl.Trainer, log_dir: str | None = None) -> None:
-        self._writer: Any = None
+        self._writers: list[Any] = []
         self._owned = False
         self._rank_zero = trainer.is_global_zero
         #: the Trainer's loggers other than TensorBoard, each written to as far as it has a way
         self.others: list[Logger] = []
         #: the run's log directory (computed on every rank: under DDP ``trainer.log_dir`` is a collective)
         self.run_dir = self.log_dir = run_log_dir(trainer) if log_dir is None else log_dir
-        #: the directory of the TensorBoard event files written, or ``None`` when there are none
-        self.tensorboard_dir: str | None = None
+        #: the directories of the TensorBoard event files written (one per TensorBoard logger; empty: none)
+        self.tensorboard_dirs: list[str] = []
         if not self._rank_zero:
             return
         self.others = [lg for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)]
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                self._writer = logger.experiment
-                self.tensorboard_dir = logger.log_dir
-                return
-        if log_dir is None:
-            return  # the user asked for no logs: no files of opkit's own either
+        boards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        self._writers = [lg.experiment for lg in boards]
+        self.tensorboard_dirs = [lg.log_dir for lg in boards]
+        if boards or log_dir is None:
+            return  # no TensorBoard logger and no log_dir: the user asked for no logs, no files of opkit's own either
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=log_dir)
-        self.tensorboard_dir = log_dir
+        self._writers = [SummaryWriter(log_dir=log_dir)]
+        self.tensorboard_dirs = [log_dir]
         self._owned = True
+
+    @property
+    def tensorboard_dir(self) -> str | None:
+        """The first directory of TensorBoard event files written, or ``None`` when there are none."""
+        return self.tensorboard_dirs[0] if self.tensorboard_dirs else None
 
     @property
     def active(self) -> bool:
         """Whether this process writes anywhere (global rank zero, with TensorBoard or another logger)."""
-        return self._rank_zero and (self._writer is not None or bool(self.others))
+        return self._rank_zero and (bool(self._writers) or bool(self.others))
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """Write one scalar.
@@ -158,8 +161,8 @@ class LogWriter:
         metrics = {f"{prefix}/{name}": float(value) for name, value in values.items() if value is not None}
         for tag, value in metrics.items():
             tags.check(tag, "scalar")
-            if self._writer is not None:
-                self._writer.add_scalar(tag, value, global_step=step)
+            for board in self._writers:
+                board.add_scalar(tag, value, global_step=step)
         for logger in self.others:
             if metrics:
                 logger.log_metrics(metrics, step)
@@ -175,8 +178,8 @@ class LogWriter:
         if not self.active:
             return
         tags.check(tag, "text")
-        if self._writer is not None:
-            self._writer.add_text(tag, markdown, global_step=step)
+        for board in self._writers:
+            board.add_text(tag, markdown, global_step=step)
         for logger in self.others:
             other: Any = logger  # the ways below are not on Lightning's base Logger
             if isinstance(logger, CSVLogger):
@@ -199,8 +202,8 @@ class LogWriter:
             return
         tags.check(tag, "image")
         pixels = figure_pixels(figure)
-        if self._writer is not None:
-            self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
+        for board in self._writers:
+            board.add_image(tag, pixels, global_step=step, dataformats="HWC")
         for logger in self.others:
             other: Any = logger
             if isinstance(logger, CSVLogger):
@@ -242,13 +245,13 @@ class LogWriter:
         Args:
             layout: category -> chart title -> ``["Multiline", [tag regexes]]``.
         """
-        if self._writer is not None:
-            self._writer.add_custom_scalars(layout)
+        for board in self._writers:
+            board.add_custom_scalars(layout)
 
     def flush(self) -> None:
         """Flush pending events and rows to disk."""
-        if self._writer is not None:
-            self._writer.flush()
+        for board in self._writers:
+            board.flush()
         for logger in self.others:
             logger.save()
 
@@ -258,6 +261,6 @@ class LogWriter:
             return
         self.flush()
         if self._owned:
-            self._writer.close()
-        self._writer = None
+            self._writers[0].close()
+        self._writers = []
         self.others = []

@@ -69,9 +69,23 @@ def start_summary(callback: Any, trainer: pl.Trainer, writer: LogWriter) -> None
     write_layout(trainer, callback, writer)
 
 
+def _where(writers: list[LogWriter]) -> list[str]:
+    """The summary's lines on where the run's logs are: every directory any opkit callback wrote event files to."""
+    boards = list(dict.fromkeys(d for w in writers for d in w.tensorboard_dirs))
+    if boards:
+        return [f"  logs and traces: {', '.join(boards)}",
+                *(f"  open them with:  tensorboard --logdir {shlex.quote(d)}" for d in boards)]
+    if writers:
+        return [f"  logs and traces: {writers[0].run_dir} (no TensorBoard logger: log_dir= adds opkit's event files)"]
+    return ["  logs: none (the Trainer has no logger; log_dir= writes opkit's TensorBoard files)"]
+
+
 def report(trainer: pl.Trainer, callback: Any, writer: LogWriter | None,
            exception: BaseException | None = None) -> str | None:
     """Print the run summary and write it as ``opkit/summary`` (first opkit callback, rank zero, fit only).
+
+    The logs it names are those every opkit callback of the Trainer writes to (one may have a ``log_dir`` of its own),
+    and the summary is written to each of them.
 
     Args:
         trainer: the trainer whose fit ended.
@@ -84,20 +98,19 @@ def report(trainer: pl.Trainer, callback: Any, writer: LogWriter | None,
     """
     if not is_first(trainer, callback) or not trainer.is_global_zero or writer is None:
         return None
-    log_dir = writer.run_dir  # not run_log_dir(trainer) here: under DDP that is a collective, and this is rank zero
+    # each writer's run_dir, not run_log_dir(trainer): under DDP that is a collective, and this is rank zero
+    writers = [w for w in (writer, *(getattr(m, "writer", None) for m in members(trainer))) if w is not None]
+    written: dict[tuple[tuple[str, ...], bool], LogWriter] = {}  # each place once: most callbacks share the loggers
+    for each in writers:
+        if each.active:
+            written.setdefault((tuple(each.tensorboard_dirs), bool(each.others)), each)
     ended = f"ended by {type(exception).__name__}: {exception}" if exception else "fit finished"
-    lines = [f"opkit run summary ({ended}, global step {trainer.global_step})"]
-    if writer.tensorboard_dir is not None:
-        lines += [f"  logs and traces: {log_dir}",
-                  f"  open them with:  tensorboard --logdir {shlex.quote(writer.tensorboard_dir)}"]
-    elif writer.active:
-        lines.append(f"  logs and traces: {log_dir} (no TensorBoard logger: log_dir= adds opkit's event files)")
-    else:
-        lines.append("  logs: none (the Trainer has no logger; log_dir= writes opkit's TensorBoard files)")
+    lines = [f"opkit run summary ({ended}, global step {trainer.global_step})", *_where(list(written.values()))]
     for cb in members(trainer):
         lines += [f"  {line}" for line in cb.summary_lines()]
     text = "\n".join(lines)
     print("\n" + text, flush=True)
-    writer.text("opkit/summary", "\n".join(f"    {line}" for line in lines), trainer.global_step)
-    writer.flush()
+    for each in written.values():
+        each.text("opkit/summary", "\n".join(f"    {line}" for line in lines), trainer.global_step)
+        each.flush()
     return text

@@ -288,7 +288,7 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
-        matched = resolve_modules(pl_module, self.overrides, owner="PrecisionPolicy") if self.overrides else []
+        matched = resolve_modules(pl_module, self.overrides, argument="overrides", owner="PrecisionPolicy")
         if stage == "fit":
             # the default rules' 16-bit classes in the dtype the Trainer autocasts to, so the two never mix
             self.table = initial_table(self.rules, self.default, AUTOCAST_DTYPE.get(str(trainer.precision), "bf16"))

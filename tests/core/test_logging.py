@@ -130,3 +130,52 @@ def test_every_logger_of_the_trainer_gets_the_figures(tmp_path):
         assert "| class | dtype |" in f.read()
     with open(os.path.join(folder, "profiler_roofline_plot.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _event_dirs(root):
+    """Every directory holding TensorBoard event files, found on the file system (not from the kit's account)."""
+    return sorted({d for d, _, fs in os.walk(root) for f in fs if f.startswith("events.out.tfevents.")})
+
+
+def test_a_log_dir_on_a_later_callback_is_named_by_the_summary_and_holds_it(tmp_path, capsys):
+    """logger=False, the first callback writes nowhere, the second has a log_dir: the summary names that directory."""
+    asked = str(tmp_path / "asked")
+    windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, log_dir=asked)
+    _fit(tmp_path / "root", [NaNDetector(), windows], logger=False)
+    assert _event_dirs(tmp_path) == [asked]  # what the file system saw
+    assert windows.trace_files
+    assert all(os.path.exists(p) for p in windows.trace_files)
+    out = capsys.readouterr().out
+    assert "logs: none" not in out
+    assert f"tensorboard --logdir {asked}" in out
+    assert "opkit/summary" in read_events(asked)[1]
+
+
+def test_every_tensorboard_logger_gets_every_tag_and_the_summary_names_each(tmp_path, capsys):
+    loggers = [pl.loggers.TensorBoardLogger(str(tmp_path), name=n) for n in ("a", "b")]
+    _fit(tmp_path / "root", [NaNDetector(), ProfilerWindows(every_n_steps=2, warmup=0, active=1, export_trace=False)],
+         logger=loggers)
+    a, b = (read_events(str(tmp_path / n)) for n in ("a", "b"))
+    assert len(a[0]) > 5
+    assert set(a[0]) == set(b[0])  # every scalar tag in both
+    assert set(a[1]) == set(b[1])  # every text tag, the summary among them
+    assert "opkit/summary" in b[1]
+    out = capsys.readouterr().out
+    assert _event_dirs(tmp_path) == sorted(lg.log_dir for lg in loggers)
+    for logger in loggers:
+        assert f"tensorboard --logdir {logger.log_dir}" in out
+
+
+def test_a_message_about_overrides_names_overrides_as_the_user_wrote_it(tmp_path):
+    with pytest.raises(ValueError, match=r"PrecisionPolicy\(`overrides`\): 1 pattern\(s\) match no module"):
+        _fit(tmp_path, [PrecisionPolicy(overrides={"layr": "fp32"})], logger=False)
+
+
+def test_a_refusal_quotes_the_values_the_user_passed():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert TorchCompile(measure_speedup=False, measure=False).measure is False  # both say: time nothing
+        with pytest.raises(ValueError, match=r"measure_speedup=True, measure=False"):
+            TorchCompile(measure_speedup=True, measure=False)
