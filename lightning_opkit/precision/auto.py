@@ -64,11 +64,13 @@ class Plan:
         classes: op class -> its decision (dtype and why), for each class the model was seen to run.
         autocast: the dtype of plain ``torch.autocast``, when that is what won.
         fp8: the GEMM modules that run in float8 -> why (measured per module).
+        added: module overrides given after the decision was made (a resumed fit's): applied on top of it.
     """
 
     classes: dict[str, Decision]
     autocast: str | None = None
     fp8: dict[str, str] = field(default_factory=dict)
+    added: tuple[str, ...] = ()
 
 
 class AutoPrecision:

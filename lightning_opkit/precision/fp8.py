@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_opkit.core.checks import check_bools, check_choice
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.select import match_rule
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import markdown_table, named_reasons
@@ -246,11 +247,37 @@ def recipe_problem(recipe: str, device_type: str) -> str | None:
 _NOT_A_GEMM = "not a Linear"
 
 
+def _written_otherwise(module: nn.Module) -> str | None:
+    """Why patching ``module``'s forward would not run its GEMM, or would change what it computes; else ``None``.
+
+    ``nn.MultiheadAttention`` reads its ``out_proj``'s weight itself and never calls that Linear's forward, so a
+    patched forward would be reported and never run. A Linear subclass with a ``forward`` of its own computes more than
+    its GEMM: replacing that forward would silently change the model.
+
+    Example:
+        >>> _written_otherwise(nn.MultiheadAttention(16, 2).out_proj)
+        'nn.MultiheadAttention reads its weight directly: its forward never runs'
+        >>> class Halved(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) * 0.5
+        >>> _written_otherwise(Halved(16, 16)), _written_otherwise(nn.Linear(16, 16))
+        ('Halved has a forward of its own: kept as written', None)
+    """
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return "nn.MultiheadAttention reads its weight directly: its forward never runs"
+    if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} has a forward of its own: kept as written"
+    return None
+
+
 def refusal(module: nn.Module, device: torch.device) -> str | None:
     """Why ``module`` cannot run its GEMM in float8 here, or ``None`` if it can."""
     dims = gemm_dims(module)
     if dims is None:
         return _NOT_A_GEMM
+    written = _written_otherwise(module)
+    if written is not None:
+        return written
     if any(d % 16 for d in dims):
         return f"{dims[0]}x{dims[1]}: float8 GEMMs need dimensions that are multiples of 16"
     return (fp8_unit_note(device) or None) if device.type == "cuda" else None
@@ -366,12 +393,17 @@ class Float8Linears:
             overrides: the module overrides: a module one decides is not auto's (a checkpoint's choice, say, made
                 under other overrides).
         """
+        modules = dict(model.named_modules())
+        missing = [n for n in chosen if n not in modules]
+        if missing:  # a checkpoint of another model: refused before anything of it is applied
+            raise ValueError(f"PrecisionPolicy: the decision runs {missing} in float8, but {type(model).__name__} has"
+                             f" no such module (a checkpoint's 'plan.fp8' from another model?); its GEMM modules:"
+                             f" {[n for n, m in modules.items() if gemm_dims(m) is not None][:8]}")
         chosen = {n: why for n, why in chosen.items() if _override_of(n, overrides or {}) is None}
         for name in [n for n in self.by_auto if n not in chosen]:
             self._drop(name)
-        modules = dict(model.named_modules())
         # a module a repair pinned stays pinned: a later plan (a trial's end, a resume) does not convert it again
-        self.convert([(n, modules[n]) for n in chosen if n in modules and n not in self._live and n not in self.held],
+        self.convert([(n, modules[n]) for n in chosen if n not in self._live and n not in self.held],
                      self.device)
         if self._model is not None:  # the fit has started: auto's modules are gathered in float8 like the rules'
             self.gather_weights(self._model)
@@ -465,7 +497,7 @@ class Float8Linears:
                 if module.bias is not None:
                     out = out + module.bias.to(out.dtype)
             census = self.census()
-            if census is not None:
+            if census is not None and not RECOMPUTING.depth:  # an activation checkpoint's recompute: counted once
                 # the fp32 reference is bookkeeping: no autograd graph (an activation checkpoint would count what it
                 # saves, and its recompute runs without the census), no cast of the policy's, no dispatch mode's cache
                 with torch.no_grad(), SUSPENDED.scope(), autocast_off(), outside_dispatch_modes():

@@ -11,34 +11,63 @@ from typing import Any
 
 from lightning_opkit.precision.auto import Plan
 from lightning_opkit.precision.decide import Decision
-from lightning_opkit.precision.dtypes import GOVERNED
+from lightning_opkit.precision.dtypes import DTYPES, GOVERNED
 
-__all__ = ["pinned_arguments", "plan_from_state", "plan_state"]
+__all__ = ["labelled_overrides", "pinned_arguments", "plan_from_state", "plan_state"]
 
 _BEFORE = " (measured before the checkpoint)"
 
 
-def plan_state(plan: Plan, fp8: dict[str, str] | None = None) -> dict[str, Any]:
+def plan_state(plan: Plan, fp8: dict[str, str] | None = None,
+               overrides: dict[str, str] | None = None) -> dict[str, Any]:
     """``plan`` as checkpoint state (plain types).
 
     Args:
         plan: the plan the policy runs.
         fp8: the float8 modules that run now, where a repair reverted some of the plan's (``None``: the plan's).
+        overrides: the module overrides in force: a resumed fit names those added since.
 
     Example:
         >>> plan = Plan({"matmul": Decision("matmul", "bf16", "1.8x faster")}, fp8={"mlp.up": "1.4x faster than bf16"})
         >>> plan_state(plan)
-        {'classes': {'matmul': ['bf16', '1.8x faster']}, 'autocast': None, 'fp8': {'mlp.up': '1.4x faster than bf16'}}
+        {'classes': {'matmul': ['bf16', '1.8x faster']}, 'autocast': None, 'fp8': {'mlp.up': '1.4x faster than bf16'}, \
+'overrides': {}}
     """
     return {"classes": {c: [d.dtype, d.reason] for c, d in plan.classes.items()}, "autocast": plan.autocast,
-            "fp8": dict(plan.fp8 if fp8 is None else fp8)}
+            "fp8": dict(plan.fp8 if fp8 is None else fp8), "overrides": dict(overrides or {})}
 
 
-def plan_from_state(state: dict[str, Any]) -> Plan:
-    """The plan :func:`plan_state` wrote, its reasons marked as restored.
+_WHERE = "PrecisionPolicy's checkpoint state"
+
+
+def _check_state(state: Any) -> None:
+    """Raise a ``ValueError`` naming the key for state no :func:`plan_state` wrote, before anything is applied."""
+    if not isinstance(state, dict) or not isinstance(state.get("classes"), dict):
+        raise ValueError(f"{_WHERE} 'plan': expected a dict with 'classes' (op class -> [dtype, why]), got {state!r}")
+    for cls, entry in state["classes"].items():
+        if cls not in GOVERNED:
+            raise ValueError(f"{_WHERE} 'plan.classes': unknown op class {cls!r}; expected one of {list(GOVERNED)}")
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] in DTYPES):
+            raise ValueError(f"{_WHERE} 'plan.classes.{cls}': expected [dtype, why] with dtype one of"
+                             f" {list(DTYPES)}, got {entry!r}")
+    if state.get("autocast") not in (None, "bf16", "fp16"):
+        raise ValueError(f"{_WHERE} 'plan.autocast': expected None, 'bf16' or 'fp16', got {state['autocast']!r}")
+    for key in ("fp8", "overrides"):
+        value = state.get(key, {})
+        if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+            raise ValueError(f"{_WHERE} 'plan.{key}': expected a dict of module path -> str, got {value!r}")
+
+
+def plan_from_state(state: Any, overrides: dict[str, str] | None = None) -> Plan:
+    """The plan :func:`plan_state` wrote, its reasons marked as restored; state it did not write is refused.
 
     Args:
         state: what :func:`plan_state` returned.
+        overrides: the module overrides of the resumed fit: those not in force at the checkpoint are ``added``.
+
+    Raises:
+        ValueError: the state is not a plan (another version's, or tampered with), naming the key (a float8 module
+            the model lacks is refused where the model is known: ``Float8Linears.choose``).
 
     Example:
         >>> plan = plan_from_state({"classes": {"matmul": ["bf16", "1.8x faster"]}, "autocast": None})
@@ -46,13 +75,38 @@ def plan_from_state(state: dict[str, Any]) -> Plan:
         {'matmul': Decision(op_class='matmul', dtype='bf16', reason='1.8x faster (measured before the checkpoint)')}
         >>> plan_from_state(plan_state(plan)) == plan
         True
+        >>> plan_from_state(plan_state(plan), {"head": "fp32"}).added
+        ('head',)
+        >>> plan_from_state({"classes": {"matmul": ["bf61", ""]}})
+        Traceback (most recent call last):
+        ...
+        ValueError: PrecisionPolicy's checkpoint state 'plan.classes.matmul': expected [dtype, why] with dtype one of \
+['fp32', 'bf16', 'fp16', 'keep'], got ['bf61', '']
     """
+    _check_state(state)
+
     def restored(why: str) -> str:  # a plan resumed twice was still measured once
         return why if why.endswith(_BEFORE) else why + _BEFORE
 
     classes = {c: Decision(c, d, restored(why)) for c, (d, why) in state["classes"].items()}
-    # a checkpoint written before float8 was measured has no "fp8"
-    return Plan(classes, state.get("autocast"), {n: restored(why) for n, why in state.get("fp8", {}).items()})
+    # a checkpoint written before float8 was measured has no "fp8"; one written before overrides were kept, none
+    then = state.get("overrides")
+    added = tuple(k for k, v in (overrides or {}).items() if then is not None and then.get(k) != v)
+    return Plan(classes, state.get("autocast"), {n: restored(why) for n, why in state.get("fp8", {}).items()}, added)
+
+
+def labelled_overrides(overrides: dict[str, str], pinned: dict[str, str], plan: Plan | None) -> dict[str, str]:
+    """The summary's module overrides: each glob, a repair's pins and the overrides added after a kept decision named.
+
+    Example:
+        >>> labelled_overrides({"head": "fp32"}, {"blocks.1": "fp32"}, Plan({}, added=("head",)))
+        {"head (added after the checkpoint's decision, applied on top of it)": 'fp32', \
+'blocks.1 (pinned by a NaN repair)': 'fp32'}
+    """
+    added = plan.added if plan is not None else ()
+    return {**{f"{k} (added after the checkpoint's decision, applied on top of it)" if k in added else k: v
+               for k, v in overrides.items()},
+            **{f"{k} (pinned by a NaN repair)": v for k, v in pinned.items()}}
 
 
 def pinned_arguments(table: dict[str, str], autocast: str | None, fp8: Sequence[str] = (),

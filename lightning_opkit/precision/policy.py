@@ -52,7 +52,7 @@ from lightning_opkit.precision.fp8_measure import Fp8Ask
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
-from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
+from lightning_opkit.precision.pin import labelled_overrides, pinned_arguments, plan_from_state, plan_state
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
 from lightning_opkit.precision.view import (
@@ -228,8 +228,9 @@ class PrecisionPolicy(OpkitCallback):
     @property
     @override
     def state_key(self) -> str:
-        # the key keeps its old field name: checkpoints written before `overrides` was named so still load
-        return self._generate_state_key(rules=self.rules, modules=self.overrides)
+        # The key keeps its old shape (checkpoints written without overrides still load) but not the overrides: a fit
+        # resumed with an override added (as a NaN repair advises) keeps its decision and applies the override on top
+        return self._generate_state_key(rules=self.rules, modules={})
 
     def dtype_for(self, op_class: str, module: str | None = None) -> str:
         """The dtype name an op of ``op_class`` runs in, inside the module at path ``module`` (if any).
@@ -275,7 +276,7 @@ class PrecisionPolicy(OpkitCallback):
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
-        overrides = {**self.overrides, **{f"{k} (pinned by a NaN repair)": v for k, v in self.pinned.items()}}
+        overrides = labelled_overrides(self.overrides, self.pinned, self._plan)
         governor = self._governor
         lines = summary_lines(self.table, self.decisions, overrides, governor.autocast, governor.passthrough,
                               self._auto if self.auto else None)
@@ -373,11 +374,11 @@ class PrecisionPolicy(OpkitCallback):
     def state_dict(self) -> dict[str, Any]:
         if not self.auto or self._plan is None or self._auto.trialing:
             return {}
-        return {"plan": plan_state(self._plan, self.fp8.by_auto)}  # float8 as it runs: without a repair's pins
+        return {"plan": plan_state(self._plan, self.fp8.by_auto, self.overrides)}  # float8 as it runs, unpinned
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = plan_from_state(state_dict["plan"]) if "plan" in state_dict else None
+        self._restored = plan_from_state(state_dict["plan"], self.overrides) if "plan" in state_dict else None
 
     def decision_as_arguments(self) -> str | None:
         """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""

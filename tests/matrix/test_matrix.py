@@ -15,15 +15,22 @@ a NaNDetector (``action="skip"``), and a checkpoint saved at step 4. It checks i
 - resuming from the step-4 checkpoint, with fresh callbacks, ends on the same weights as the uninterrupted run;
 - with ``logger=False`` no file is written under the run's directory (traces included); with a TensorBoardLogger the
   run summary is there, and nothing of a callback that is off;
-- a callback turned off changes nothing: the expectations are those of the set without it.
+- a callback turned off changes nothing: the expectations are those of the set without it;
+- the kit's account agrees with an independent observer (``tests/observer.py``, no code shared with opkit): the event
+  directories and traces on disk are those the run summary names; where nothing is compiled (dynamo compiles nothing
+  under a dispatch mode), every GEMM kernel is watched at the dispatcher, and the float8 modules of the policy table
+  are exactly those whose kernels took float8 inputs, and the last census's GEMM calls per dtype are those kernels.
 
 A few cases run TorchCompile's Inductor backend (marked slow).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -32,6 +39,7 @@ from cases import CASES, Case
 from helpers import REFUSED, SaveAt, policy_refused_under, read_events, snapshot
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from observer import GemmObserver, StepMark, event_dirs, trace_files
 from torch.utils.data import DataLoader
 from zoo import CASES as ZOO
 from zoo import ZooModule
@@ -128,19 +136,58 @@ def _precision(case: Case) -> dict:
     return dict(precision=case.precision)
 
 
-def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ckpt=None, logger=False):
+def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ckpt=None, logger=False, observe=False):
     torch.manual_seed(0)
     model = (ManualZoo if case.optimization == "manual" else ZooModule)(case.model, faults=faults)
     before = snapshot(model)
     losses = Losses()
     extra = [SaveAt(SAVE, save)] if save is not None else []
+    # dynamo compiles nothing under a dispatch mode: a case that compiles is watched on the file system only
+    observer = GemmObserver(model) if observe and "C" not in case.active else None
+    if observer is not None:
+        extra.append(StepMark(observer))
     trainer = pl.Trainer(default_root_dir=str(root), max_steps=steps, accelerator="cpu", devices=1, logger=logger,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[*callbacks, losses, *extra],
                          **_precision(case))
-    trainer.fit(model, DataLoader(batches, batch_size=None), ckpt_path=ckpt)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), observer or contextlib.nullcontext():
+        trainer.fit(model, DataLoader(batches, batch_size=None), ckpt_path=ckpt)
     assert snapshot(model) == before, "the model is not as it was"
+    if observe:
+        _agrees_with_the_observer(root, case, callbacks, observer, printed.getvalue())
     return model, trainer, losses.by_batch
+
+
+def _agrees_with_the_observer(root, case: Case, callbacks, observer: GemmObserver | None, printed: str) -> None:
+    """The summary's log locations, the policy table's float8 modules and the census against what was observed."""
+    if not case.active:
+        return  # no opkit callback acts: no summary
+    named = re.findall(r"tensorboard --logdir (\S+)", printed)
+    assert sorted(named) == event_dirs(root), printed
+    assert bool(named) != ("logs: none" in printed), printed
+    said = re.search(r"(\d+) trace file\(s\)", printed)
+    assert (int(said.group(1)) if said else 0) == len(trace_files(root)), printed
+    policy = next((c for c in callbacks if isinstance(c, PrecisionPolicy) and c.enabled), None)
+    if observer is None or policy is None:
+        return
+    ran_fp8 = {module for _, module, _, dtype in observer.records if dtype == "fp8"}
+    assert ran_fp8 == set(policy.fp8.converted)
+    assert not ran_fp8 & set(policy.fp8.skipped)
+    # the last census: its GEMM calls per dtype are the kernels of that step's forward, outside attention modules
+    # (nn.MultiheadAttention is one attention op to the census, its GEMMs inside it)
+    last = (STEPS - 1) // policy.census_every_n_steps * policy.census_every_n_steps
+    attention = {n for n, m in _named(observer) if isinstance(m, torch.nn.MultiheadAttention)}
+    seen: dict[str, int] = {}
+    for module, cls, dtype in observer.at(last):
+        if cls == "matmul" and not any(module == a or module.startswith(a + ".") for a in attention):
+            seen[dtype] = seen.get(dtype, 0) + 1
+    counted = {dtype: row["calls"] for (cls, dtype), row in policy.census.items() if cls == "matmul"}
+    assert counted == seen, (counted, seen)
+
+
+def _named(observer: GemmObserver):
+    return observer.modules
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -196,7 +243,7 @@ def _check(tmp_path, case: Case, backend: str = "eager", fp8: str = "") -> None:
     callbacks = _callbacks(case, case.callbacks, backend, fp8)
     logger = TensorBoardLogger(str(tmp_path / "run")) if case.logging == "tensorboard" else False
     model, trainer, losses = _fit(tmp_path / "run", case, callbacks, batches, STEPS, faults, save=tmp_path / "mid.ckpt",
-                                  logger=logger)
+                                  logger=logger, observe=True)
     _check_files(tmp_path / "run", case)
 
     # it finished, and trained on every batch it should have
@@ -204,11 +251,13 @@ def _check(tmp_path, case: Case, backend: str = "eager", fp8: str = "") -> None:
     assert sorted(losses) == list(range(STEPS))
     assert all(math.isfinite(v) for b, v in losses.items() if not (detecting and b == FAULT)), losses
 
-    if fp8:  # every GEMM of the model ran in float8, whatever else was attached
+    if fp8:  # every GEMM module of the model runs in float8, whatever else was attached, or is named with why not
         policy = next(c for c in callbacks if isinstance(c, PrecisionPolicy))
         assert policy.fp8.converted
-        assert not policy.fp8.skipped
-        assert sum(1 for m in model.modules() if gemm_dims(m) is not None) == len(policy.fp8.converted)
+        gemms = {n for n, m in model.named_modules() if gemm_dims(m) is not None}
+        assert gemms == {*policy.fp8.converted, *policy.fp8.skipped}
+        # only nn.MultiheadAttention's out_proj, whose weight the attention reads without calling its forward
+        assert {n.rpartition(".")[2] for n in policy.fp8.skipped} <= {"out_proj"}, policy.fp8.skipped
         assert (fp8 == "auto") == bool(policy.fp8.by_auto)
     if detecting:
         detector = next(c for c in callbacks if isinstance(c, NaNDetector))
@@ -245,10 +294,10 @@ def test_combination(tmp_path, monkeypatch, case):
     _check(tmp_path, case)
 
 
-#: the policy with its GEMMs in float8, once per callback set that has it (every callback on), on the zoo's Llama and
-#: GPT-2 (their GEMMs all take float8); under 16-mixed a bf16 glue beside fp16 autocast is refused, so those cases run
-#: bf16-mixed
-FP8 = [dataclasses.replace(c, model=("hf_llama", "hf_gpt2")[i % 2],
+#: the policy with its GEMMs in float8, once per callback set that has it (every callback on), on the zoo's Llama,
+#: GPT-2 (their GEMMs all take float8) and nn.TransformerEncoder (whose attention's out_proj float8 cannot take);
+#: under 16-mixed a bf16 glue beside fp16 autocast is refused, so those cases run bf16-mixed
+FP8 = [dataclasses.replace(c, model=("hf_llama", "hf_gpt2", "torch_encoder")[i % 3],
                            precision="bf16-mixed" if c.precision == "16-mixed" else c.precision)
        for i, c in enumerate({c.callbacks: c for c in reversed(CASES) if "P" in c.callbacks and c.switch == "on"}
                              .values())]

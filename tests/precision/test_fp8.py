@@ -183,6 +183,48 @@ def test_an_fp8_overflow_is_named_with_cause_precision_and_the_module_pinned_bac
     assert snapshot(model) == before
 
 
+class Halved(nn.Linear):
+    """A Linear subclass whose forward computes more than its GEMM."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_a_linear_with_its_own_forward_and_attentions_out_proj_are_named_and_the_observer_agrees(tmp_path):
+    """nn.TransformerEncoder's attention reads out_proj's weight itself; a Linear subclass computes more than a GEMM.
+
+    Neither is reported in float8: the dispatcher (tests/observer.py) sees float8 kernels in exactly the modules the
+    policy table lists, none in those it names as left out, and the subclass's own forward still halves its output.
+    """
+    from observer import GemmObserver, StepMark
+
+    torch.manual_seed(0)
+    model = ZooModule("torch_encoder")
+    head = model.model.head
+    model.model.head = Halved(head.in_features, head.out_features)
+    outputs = []
+    model.model.head.register_forward_hook(
+        lambda m, args, out: outputs.append((args[0], out, m.weight.detach().clone(), m.bias.detach().clone())))
+    policy = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=1, measure=False)
+    observer = GemmObserver(model)
+    run = trainer(tmp_path, [policy, StepMark(observer)], max_steps=2, max_epochs=-1, precision="32-true")
+    with observer:
+        run.fit(model, model.loader(n=16))
+    skipped = {n: why for n, why in policy.fp8.skipped.items()}
+    assert skipped["model.head"] == "Halved has a forward of its own: kept as written"
+    out_projs = {n for n, m in model.named_modules() if n.endswith("self_attn.out_proj")}
+    assert len(out_projs) == 2
+    assert all("nn.MultiheadAttention reads its weight directly" in skipped[n] for n in out_projs)
+    in_fp8 = {module for _, module, _, dtype in observer.records if dtype == "fp8"}
+    assert in_fp8 == set(policy.fp8.converted)
+    assert observer.dtypes_of("model.head") == {"bf16"}  # as the summary says: left in bf16
+    x, out, weight, bias = outputs[-1]
+    expected = F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()) * 0.5
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # the subclass's forward, its GEMM in bf16
+    summary = read_events(str(tmp_path))[1]["opkit/summary"][-1][1]
+    assert "model.head (Halved has a forward of its own: kept as written)" in summary
+
+
 def test_a_census_of_float8_gemms_inside_activation_checkpoints_leaves_the_recompute_as_the_forward(tmp_path):
     # The census's fp32 reference of a float8 GEMM ran with autograd on: a checkpointed block's forward saved its
     # tensors, the recompute (no census there) did not, and torch.utils.checkpoint raised CheckpointError at the

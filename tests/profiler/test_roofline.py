@@ -494,3 +494,20 @@ def test_the_roofline_times_the_zoo_cnns_convolutions_in_both_layouts(tmp_path, 
     assert ("model.to(memory_format=torch.channels_last)" in lever) == (faster and layout == "contiguous")
     assert ("memory_format=torch.contiguous_format" in lever) == (fact.ratio > 1.05 and layout == "channels_last")
     assert fact.phrase() in texts_of(tmp_path)["opkit/profiler/roofline"][-1][1]
+
+
+def test_mfu_is_said_only_against_dtypes_that_ran_and_an_impossible_share_is_called_a_fault():
+    from lightning_opkit.profiler.roofline.view import mfu_line
+
+    # fp32 ran; bf16's peak is tiny (emulated on a CPU without bf16 units), as on the AVX2 EPYC: 957% against it
+    rows = {"matmul": ClassRoofline("matmul", {"fp32": 1e12}, bytes=1e9, seconds=2.0, calls=10)}
+    report = RooflineReport(rows, Peaks("cpu", {"fp32": 10.0, "bf16": 0.001}, 100.0), steps=1, step_seconds=2.0)
+    line = mfu_line(report)
+    assert line.startswith("MFU 5.0% of the measured peak of the dtypes that ran")
+    assert "bf16" not in line
+    # both ran: each is a reference; an fp32 peak measured far too low gives an impossible share, named as a fault
+    rows = {"matmul": ClassRoofline("matmul", {"fp32": 1e12, "bf16": 1e12}, bytes=1e9, seconds=2.0, calls=10)}
+    report = RooflineReport(rows, Peaks("cpu", {"fp32": 0.1, "bf16": 10.0}, 100.0), steps=1, step_seconds=2.0)
+    line = mfu_line(report)
+    assert "against fp32 1000% (impossible: above 100% the measured peak is too low, a measurement fault)" in line
+    assert "bf16 10.0%" in line

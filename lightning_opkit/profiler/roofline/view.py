@@ -41,17 +41,35 @@ def roofline_table(report: RooflineReport) -> str:
     return text + "\n\n" + mfu_line(report) + "\n\n**Levers**, from the measurements above:\n\n" + "\n".join(levers)
 
 
+def _pct(value: float) -> str:
+    """A share of a peak; above 100% it is no figure but a fault of the peak's measurement, and said so."""
+    if value > 100:
+        return f"{value:.0f}% (impossible: above 100% the measured peak is too low, a measurement fault)"
+    return f"{value:.1f}%"
+
+
+def _plausible(value: float | None) -> float | None:
+    return value if value is not None and value <= 100 else None
+
+
 def mfu_line(report: RooflineReport) -> str:
-    """One line: the step's MFU against the dtype mix, and against fp32's and bf16's peaks."""
+    """One line: the step's MFU against the peaks of the dtypes that ran, and against each of them where several ran.
+
+    A dtype that did not run is no reference: its peak says nothing of this step (bf16's, emulated on a CPU without
+    bf16 units, would put an fp32 step at many times 100%).
+    """
     mix = report.mfu()
     if mix is None:
         return "MFU: no GEMM, convolution or attention ran in the window"
     flops = report.model_flops_by_dtype()
     ran = ", ".join(f"{d} {f / 1e9:.3g} GFLOP" for d, f in flops.items())
-    refs = ", ".join(f"{d} {report.mfu(d):.1f}% ({report.peaks.gemm_tflops[d]:.3g} TFLOP/s)"
-                     for d in ("fp32", "bf16") if d in report.peaks.gemm_tflops)
-    return (f"MFU {mix:.1f}% of the measured peak of the dtypes that ran ({ran} / step in"
-            f" {1e3 * report.step_seconds:.2f} ms); against {refs}")
+    line = (f"MFU {_pct(mix)} of the measured peak of the dtypes that ran ({ran} / step in"
+            f" {1e3 * report.step_seconds:.2f} ms)")
+    refs = [d for d in flops if d in report.peaks.gemm_tflops]
+    if len(refs) > 1:
+        line += "; against " + ", ".join(f"{d} {_pct(report.mfu(d) or 0.0)} ({report.peaks.gemm_tflops[d]:.3g}"
+                                         " TFLOP/s)" for d in refs)
+    return line
 
 
 def summary_lines(report: RooflineReport) -> list[str]:
@@ -84,9 +102,12 @@ def log_roofline(writer: LogWriter, report: RooflineReport, note: str, title: st
             writer.scalars(f"opkit/profiler/{cls}", {
                 "tflops": row.tflops, "gbps": row.gbps, "pct_peak": row.pct_peak(peaks),
                 "pct_bandwidth": row.pct_bandwidth(peaks), "intensity": row.intensity}, step)
-    flops = sum(report.model_flops_by_dtype().values())
+    by_dtype = report.model_flops_by_dtype()
+    flops = sum(by_dtype.values())
+    # against a dtype's peak only where that dtype ran; a share above 100% is a measurement fault, not a figure
     writer.scalars("opkit/profiler", {
-        "mfu": report.mfu(), "mfu_fp32": report.mfu("fp32"), "mfu_bf16": report.mfu("bf16"),
+        "mfu": _plausible(report.mfu()),
+        **{f"mfu_{d}": _plausible(report.mfu(d)) if d in by_dtype else None for d in ("fp32", "bf16")},
         "model_tflops": flops / report.step_seconds / 1e12 if flops and report.step_seconds else None}, step)
     writer.text("opkit/profiler/roofline", note + "\n\n" + roofline_table(report), step)
     figure = roofline_figure(report.rows, peaks, f"{title}: op classes against {peaks.device}'s measured roofs")
