@@ -13,8 +13,8 @@ from lightning_opkit.core.facts import RunFacts
 from lightning_opkit.opclass import GEMM_CLASSES
 from lightning_opkit.profiler.roofline.gemm_speed import gemm_speed
 from lightning_opkit.profiler.roofline.layout_speed import conv_layout_speed
-from lightning_opkit.profiler.roofline.peaks import Peaks, measure_peaks
-from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
+from lightning_opkit.profiler.roofline.peaks import Peaks, checked_peaks, measure_peaks
+from lightning_opkit.profiler.roofline.work import ClassRoofline, achieved_rates, class_rooflines
 
 __all__ = ["RooflineReport", "build_report"]
 
@@ -104,6 +104,7 @@ def build_report(prof: Any, steps: int, step_seconds: float, *, device: Any, com
         rows["communication"].seconds = communication_seconds
     ran = tuple(d for r in rows.values() for d in r.flops_by_dtype)
     peaks = measure_peaks(device, ("fp32", "bf16", *ran), link_gbps=link_gbps)
+    peaks = checked_peaks(peaks, achieved_rates(rows), device)
     if facts is not None:
         facts.peaks = peaks
         matmul = rows.get("matmul")

@@ -75,6 +75,8 @@ def mfu_line(report: RooflineReport) -> str:
 def summary_lines(report: RooflineReport) -> list[str]:
     """The run summary's two roofline lines: the step's MFU; the class with most time above its roof, its lever."""
     lines = ["  roofline: " + mfu_line(report)]
+    lines += [f"  {d}'s measured peak looks disturbed ({why}): its shares are unreliable; measure on a quieter machine"
+              for d, why in report.peaks.disturbed.items()]
     worst = report.worst()
     if worst is not None:
         kind, pct = worst.bound(report.peaks)

@@ -23,7 +23,7 @@ from lightning_opkit.opclass import (
 from lightning_opkit.profiler.op_times import on_device, window_events
 from lightning_opkit.profiler.roofline.peaks import Peaks
 
-__all__ = ["ClassRoofline", "class_rooflines"]
+__all__ = ["ClassRoofline", "achieved_rates", "class_rooflines"]
 
 _ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "BFloat16": 2, "Half": 2, "long int": 8,
              "int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2,
@@ -281,6 +281,25 @@ class _Tree:
                 return False  # counted at that ancestor
             parent = parent.cpu_parent
         return bool(event.flops) or not any(self._related(c, cls) for c in event.cpu_children)
+
+
+def achieved_rates(rows: dict[str, ClassRoofline], min_seconds: float = 1e-3) -> dict[str, float]:
+    """Per dtype, the highest TFLOP/s an op class reached in it (classes of one dtype, timed ``min_seconds`` or more).
+
+    A class of a few microseconds is left out: the clock's granularity alone could put it above any peak.
+
+    Example:
+        >>> rows = {"norm": ClassRoofline("norm", {"fp32": 4e9}, bytes=1e9, seconds=0.01, calls=4),
+        ...         "matmul": ClassRoofline("matmul", {"fp32": 1e9}, bytes=1e6, seconds=1e-6, calls=1)}
+        >>> achieved_rates(rows)
+        {'fp32': 0.4}
+    """
+    rates: dict[str, float] = {}
+    for row in rows.values():
+        if len(row.flops_by_dtype) == 1 and row.seconds >= min_seconds and row.calls:
+            (dtype,) = row.flops_by_dtype
+            rates[dtype] = max(rates.get(dtype, 0.0), row.tflops)
+    return rates
 
 
 def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofline]:
