@@ -54,7 +54,7 @@ TAGS: tuple[Tag, ...] = (
     Tag("opkit/precision/decision", "text", "", "`auto`: the decision, and again when the trials end",
         "the chosen table's error beside plain bf16-mixed's, trial medians, each class's dtype and evidence, and"
         " each Linear's float8 figures and verdict where float8 was measured"),
-    Tag("opkit/precision/measure_s", "scalar", "s", "each measurement (`auto`, `measure`)",
+    Tag("opkit/precision/measure_s", "scalar", "s", "each measurement of `rules='auto'`",
         "seconds the measurement took"),
     Tag("opkit/precision/census", "text", "", _CENSUS,
         "class, dtype it ran in, decided by, calls, relative error, underflow, max |output|, fp16 headroom"),

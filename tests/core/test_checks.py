@@ -171,3 +171,11 @@ def test_measurement_speed_reads_on_as_time_ratio_for_one_release():
     row = Measurement("matmul", "bf16", time_ratio=2.5)
     with pytest.warns(OpkitDeprecationWarning, match=r"Measurement.speed is deprecated.*Measurement.time_ratio"):
         assert row.speed == 2.5
+
+
+def test_both_spellings_with_the_new_at_its_default_take_the_old_value_with_the_warning_as_documented():
+    # docs/arguments.md: the new name at its default cannot be told from not passing it
+    with pytest.warns(OpkitDeprecationWarning, match=r"check_speed=\.\.\.\) is deprecated"):
+        assert PrecisionPolicy(check_speed=False, measure=True).measure is False
+    with pytest.raises(ValueError, match=r"check_speed=True, measure=False"):
+        PrecisionPolicy(check_speed=True, measure=False)
