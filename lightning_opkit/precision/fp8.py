@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -61,6 +62,33 @@ def torchao_missing() -> bool:
         return True
 
 
+class _Unactionable(logging.Filter):
+    """Drops what importing torchao says that no user can act on.
+
+    On a machine without CUDA, torchao's CUDA-only kernels (mxfp8, CUTLASS for sm90a) fail to load, each said as a
+    warning; and a torch newer than torchao warns that torchao registers an Enum as a pytree constant.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cuda_kernel = message.startswith("Failed to load") and not torch.cuda.is_available()
+        return not (cuda_kernel or "is an Enum subclass and is now natively supported" in message)
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """Inside, torchao's and torch's pytree loggers drop :class:`_Unactionable` messages (the import only)."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    quiet = _Unactionable()
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
 @functools.cache
 def torchao_problem() -> str | None:
     """Why torchao's float8 training cannot be used here (not installed, or not importable with this torch), or None.
@@ -72,7 +100,8 @@ def torchao_problem() -> str | None:
     if torchao_missing():
         return f"torchao is not installed: {EXTRA}"
     try:
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
+        with _quiet_import():
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
     except Exception as err:  # a torchao built for another torch: its import fails on what this torch lacks
         from importlib.metadata import version
 
@@ -215,6 +244,7 @@ def gemm_function(recipe: str) -> tuple[Any, Any, Any]:
     and the weight gradient's GEMM has the rows of the batch as its inner dimension (a language model's ``batch x
     (seq - 1)`` tokens seldom are a multiple of 16). The zeros change no value; the copy costs memory only then.
     """
+    torchao_problem()  # the first import of torchao, without its unactionable messages
     from torchao.float8.config import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
