@@ -198,8 +198,8 @@ def test_the_nan_path_in_the_architecture_page_names_files_that_exist_and_few_of
 
 #: the suite's files that test a scenario across the package rather than one module, each named for its scenario
 SCENARIOS = {"test_benchmarks", "test_contract", "test_ddp", "test_docs", "test_example", "test_garbage",
-             "test_gpu_paths", "test_layout", "test_moe", "test_readme", "test_regressions", "test_sharded", "test_zoo",
-             "test_matrix"}
+             "test_gpu_paths", "test_layout", "test_moe", "test_packaging", "test_readme", "test_regressions",
+             "test_sharded", "test_zoo", "test_matrix"}
 
 
 def _unnamed_tests():

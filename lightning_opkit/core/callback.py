@@ -5,6 +5,7 @@ A detach runs at teardown, on an exception and at the next fit's setup; each of 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, ClassVar
 
@@ -16,6 +17,7 @@ from typing_extensions import override
 from lightning_opkit.core.kit import HearsOfFailure, offering
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.strategies import check_strategy
 from lightning_opkit.core.summary import report, start_summary
 from lightning_opkit.core.switch import AREAS, ENV, disabled_areas
 
@@ -52,6 +54,20 @@ class OpkitCallback(Callback):
 
     #: the callback's area, as in its tags ``opkit/<area>/...`` and in ``OPKIT_DISABLE``
     area: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every callback's own ``setup`` runs after the strategy check: a refused strategy fails before any attach."""
+        super().__init_subclass__(**kwargs)
+        own = vars(cls).get("setup")
+        if own is None:
+            return
+
+        @functools.wraps(own)
+        def setup(self: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            check_strategy(trainer, type(self).__name__)
+            own(self, trainer, pl_module, stage)
+
+        cls.setup = setup  # type: ignore[method-assign]
 
     def __init__(self, enabled: bool = True, log_dir: str | None = None, off: str | None = None) -> None:
         """Check and keep the arguments every callback takes.

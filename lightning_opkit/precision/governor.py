@@ -55,6 +55,10 @@ class StepGovernor:
         #: modules pinned to a dtype at run time (a NaN repair): the mode must run
         self.pinned = False
 
+    def census(self) -> Any:
+        """The census of the census step running now, else ``None``."""
+        return self.state.census
+
     def set_table(self, table: dict[str, str]) -> None:
         """Run ``table`` from the next op on."""
         self.state.set_table(table)

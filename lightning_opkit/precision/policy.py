@@ -192,10 +192,11 @@ class PrecisionPolicy(OpkitCallback):
         self.decisions: dict[str, Decision] = {}
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
         self.fp8_recipe, self.try_fp8, self.fp8_all_gather = fp8_recipe, try_fp8, fp8_all_gather
-        #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
-        self.fp8 = Float8Linears(fp8_recipe, census=lambda: self._governor.state.census, all_gather=fp8_all_gather)
-
         self._governor = StepGovernor(self.table)
+        #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
+        # a bound method, not a lambda: the callback pickles (ddp_spawn sends it to each process)
+        self.fp8 = Float8Linears(fp8_recipe, census=self._governor.census, all_gather=fp8_all_gather)
+
         #: modules pinned at run time (``pin``, a NaN repair) -> dtype
         self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
