@@ -271,7 +271,7 @@ def callbacks_for(name, root):
     if "compile" in name or everything:
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager")
     if "all5" in name:
-        made["checkpointing"] = ActivationCheckpointing(measure_steps=1)
+        made["checkpointing"] = ActivationCheckpointing(measure=True, measure_steps=1)
     return made
 
 

@@ -15,7 +15,8 @@ CALLBACKS = {
     "NaNDetector": (NaNDetector, dict(action="skip", every_n_steps=2, modules=["body.*"])),
     "ProfilerWindows": (ProfilerWindows, dict(every_n_steps=3, warmup=0, active=2, keep_traces=1, roofline=True)),
     "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], dynamic=False)),
-    "ActivationCheckpointing": (ActivationCheckpointing, dict(modules=["body"], save=["matmul"], measure_steps=1)),
+    "ActivationCheckpointing": (ActivationCheckpointing,
+                                dict(modules=["body"], save=["matmul"], measure=True, measure_steps=1)),
 }
 
 

@@ -70,17 +70,18 @@ class ActivationCheckpointing(OpkitCallback):
     torchtitan does) and only the rest is recomputed. The recompute runs in the forward's dtypes (autocast and an
     attached PrecisionPolicy's), with the same RNG state, so losses and gradients are those of the run without it.
 
-    With ``measure``, a few steps early in the fit (from the fourth) take turns with and without checkpointing (every
-    rank alike; :class:`~lightning_opkit.core.trial.Trial`) and the activation bytes autograd saves and the step
-    times are compared: that is the price. The steps without it need the memory checkpointing frees: leave
-    ``measure=False`` where they would not fit.
+    With ``measure=True``, a few steps early in the fit (from the fourth) take turns with and without checkpointing
+    (every rank alike; :class:`~lightning_opkit.core.trial.Trial`) and the activation bytes autograd saves and the step
+    times are compared: that is the price. Off by default: the steps without checkpointing need the memory it frees,
+    and a run that needs checkpointing to fit would run out of memory in them; ask for the price where they fit.
 
     Args:
         modules: ``None`` (or ``"auto"``): the model's repeated blocks (children of a ``ModuleList``/``Sequential``
             sharing a class); else globs over ``named_modules()`` names (the outermost matches are checkpointed).
         save: operator classes whose outputs are kept (selective checkpointing); ``None``: keep only the blocks'
             inputs.
-        measure: measure the bytes saved and the time it costs, once.
+        measure: measure the bytes saved and the time it costs, once, on ``measure_steps`` steps *without*
+            checkpointing beside as many with it (they need the memory it frees: off by default).
         measure_steps: steps with and as many without checkpointing, taking turns, after three warm-up steps (the
             first steps compile, and measure what other callbacks measure).
         enabled: attach the callback; ``False`` (or its area, ``checkpointing``, in the environment variable
@@ -100,7 +101,7 @@ class ActivationCheckpointing(OpkitCallback):
         self,
         modules: Union[list[str], Literal["auto"], None] = None,
         save: Optional[list[str]] = None,
-        measure: bool = True,
+        measure: bool = False,
         measure_steps: int = 3,
         enabled: bool = True,
         log_dir: Optional[str] = None,
@@ -146,6 +147,8 @@ class ActivationCheckpointing(OpkitCallback):
             p = self.price
             line += (f"; saved activations {p.saved_without / 2**20:.1f} -> {p.saved_with / 2**20:.1f} MB"
                      f" ({p.cut:.0%} less), step time x{p.time_ratio:.2f}")
+        elif not self.measure:
+            line += "; price not measured (measure=True runs a few steps without checkpointing to measure it)"
         if self.untraced:
             line += (f"; {len(self.untraced)} block(s) with buffers checkpointed outside the compiled graph (torch's"
                      " 'eager' backend fails on a traced checkpoint that updates buffers)")

@@ -35,7 +35,7 @@ def _fit(tmp_path, name, callbacks, steps=8, **trainer_kwargs):
 @pytest.mark.parametrize("name", ["torch_encoder", "hf_gpt2", "hf_llama"])
 def test_full_checkpointing_cuts_saved_bytes_and_keeps_losses_and_weights(tmp_path, name):
     plain, plain_losses = _fit(tmp_path / "plain", name, [])
-    checkpointing = ActivationCheckpointing(measure_steps=2)
+    checkpointing = ActivationCheckpointing(measure=True, measure_steps=2)
     model, losses = _fit(tmp_path / "ac", name, [checkpointing])
     assert checkpointing.checkpointed == [p for p in checkpointing.checkpointed if ".layers." in p or ".h." in p]
     assert len(checkpointing.checkpointed) == 2
@@ -105,8 +105,8 @@ class CountOps(TorchDispatchMode):
 
 
 def test_selective_checkpointing_keeps_the_gemms_and_recomputes_less(tmp_path):
-    full, selective = ActivationCheckpointing(measure_steps=2), ActivationCheckpointing(
-        save=["matmul", "attention"], measure_steps=2)
+    full, selective = ActivationCheckpointing(measure=True, measure_steps=2), ActivationCheckpointing(
+        save=["matmul", "attention"], measure=True, measure_steps=2)
     _, full_losses = _fit(tmp_path / "full", "hf_gpt2", [full])
     _, selective_losses = _fit(tmp_path / "sel", "hf_gpt2", [selective])
     assert full_losses == selective_losses
@@ -149,7 +149,8 @@ def test_recompute_runs_in_the_policys_dtypes_and_the_census_counts_once(tmp_pat
 def test_composes_with_torch_compile_in_either_order(tmp_path, recwarn, order):
     modules = None if order == "whole model compiled" else "auto"
     compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules=modules, backend="eager")])[1]
-    checkpointing, compiler = ActivationCheckpointing(measure_steps=2), TorchCompile(modules=modules, backend="eager")
+    checkpointing = ActivationCheckpointing(measure=True, measure_steps=2)
+    compiler = TorchCompile(modules=modules, backend="eager")
     callbacks = [checkpointing, compiler] if order == "checkpointing first" else [compiler, checkpointing]
     model, losses = _fit(tmp_path / "ca", "torch_encoder", callbacks)
     assert losses == pytest.approx(compiled_losses, rel=1e-5)
@@ -313,7 +314,7 @@ def test_the_price_is_measured_after_three_warm_up_steps_and_on_a_resumed_run(tm
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.seen.append((trainer.global_step, [r.enabled for r in self.callback._regions]))
 
-    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure_steps=2)
+    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, measure_steps=2)
     arms = Arms(checkpointing)
     _fit(tmp_path / "first", "hf_gpt2", [checkpointing, arms], steps=8)
     assert checkpointing.price is not None
@@ -325,9 +326,52 @@ def test_the_price_is_measured_after_three_warm_up_steps_and_on_a_resumed_run(tm
                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     first.fit(model, model.loader(n=48))
     first.save_checkpoint(tmp_path / "at10.ckpt")
-    resumed = ActivationCheckpointing(modules=["model.transformer.h.*"], measure_steps=1)
+    resumed = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, measure_steps=1)
     again = pl.Trainer(accelerator="cpu", max_steps=15, logger=False, enable_checkpointing=False, callbacks=[resumed],
                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     again.fit(build("hf_gpt2"), model.loader(n=48), ckpt_path=str(tmp_path / "at10.ckpt"))
     assert resumed.price is not None
     assert resumed.price.saved_with < resumed.price.saved_without
+
+
+class BlockCalls(pl.Callback):
+    """Counts, per training step, how often each GPT-2 block's first LayerNorm began: twice where the block's checkpoint
+    recomputed it in backward, once where the step ran without checkpointing (pre-hooks of the test's own, inside the
+    blocks: the checkpoint calls the block's own forward, so a hook on the block sees one call either way, and a
+    recompute stops early, once it has what backward needs, so a hook at a block's end may not see it)."""
+
+    def __init__(self):
+        self.per_step: list[int] = []
+        self._handles = []
+
+    def on_train_start(self, trainer, pl_module):
+        def count(module, args):
+            self.per_step[-1] += 1
+
+        self._handles = [b.ln_1.register_forward_pre_hook(count) for b in pl_module.model.transformer.h]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.per_step.append(0)
+
+    def on_train_end(self, trainer, pl_module):
+        for handle in self._handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_by_default_no_step_runs_without_checkpointing(tmp_path, measure):
+    """Pricing runs steps without the protection the user asked for: only with measure=True."""
+    blocks = len(build("hf_gpt2").model.transformer.h)
+    calls = BlockCalls()
+    checkpointing = ActivationCheckpointing(**({"measure": True, "measure_steps": 2} if measure else {}))
+    _fit(tmp_path, "hf_gpt2", [checkpointing, calls], steps=8)
+    unprotected = [i for i, n in enumerate(calls.per_step) if n < 2 * blocks]
+    assert len(calls.per_step) == 8
+    assert all(n in (blocks, 2 * blocks) for n in calls.per_step), calls.per_step
+    if measure:
+        assert len(unprotected) == 2  # the two steps without it, priced
+        assert checkpointing.price is not None
+    else:
+        assert unprotected == []
+        assert checkpointing.price is None
+        assert "price not measured" in checkpointing.summary_lines()[0]

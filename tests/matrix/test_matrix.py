@@ -125,7 +125,7 @@ def _callbacks(case: Case, letters: str, backend: str = "eager", fp8: str = "") 
             made.append(TorchCompile(backend=backend, modules=blocks if case.compile == "regional" else None,
                                      fallback=False, **kw))
         elif letter == "A":
-            made.append(ActivationCheckpointing(modules=blocks, measure_steps=1, **kw))
+            made.append(ActivationCheckpointing(modules=blocks, measure=True, measure_steps=1, **kw))
     assert [c.enabled for c in made] == [letter != case.off for letter in letters]
     return made
 

@@ -233,7 +233,7 @@ def test_a_census_of_float8_gemms_inside_activation_checkpoints_leaves_the_recom
 
     def run(census):
         policy = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=census, measure=False)
-        checkpointing = ActivationCheckpointing(measure_steps=1)
+        checkpointing = ActivationCheckpointing(measure=True, measure_steps=1)
         _, losses = _train(tmp_path / str(census), "hf_llama", [policy, checkpointing], 3, precision="32-true")
         return policy, checkpointing, losses
 
