@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lightning_opkit.core.checks import check_bools, check_fraction, check_int
 from lightning_opkit.opclass import OP_CLASSES
-from lightning_opkit.precision.dtypes import DTYPES, FP8_NEXT, GOVERNED, NAMES, NEVER_CAST
+from lightning_opkit.precision.dtypes import DTYPES, FP8_NEXT, GOVERNED, NAMES, NEVER_CAST, hardware_note
 
 __all__ = ["AUTOCAST_DTYPE", "DEFAULT_RULES", "check_one_low_dtype", "check_policy_args", "initial_table"]
 
@@ -98,6 +101,46 @@ def initial_table(rules: str | dict[str, str] | None, default: str, low: str = "
         table = {cls: low if name == "bf16" and cls in DEFAULT_RULES else name for cls, name in table.items()}
         table.update(rules or {})  # type: ignore[arg-type]
     table.update(dict.fromkeys(NEVER_CAST, "keep"))
+    return table
+
+
+def fit_table(rules: str | dict[str, str] | None, default: str, precision: str, device: torch.device | str,
+              hardware: str | None = None) -> dict[str, str]:
+    """The table a fit starts with, the user told before step 1 what runs in 16-bit where they did not ask for it.
+
+    :func:`initial_table` in the dtype the Trainer autocasts to (the two 16-bit dtypes never mix). Under a precision
+    without autocast (``32-true``), the built-in table (``rules=None``) lowers nothing the device has no native units
+    for: those classes stay in fp32, said once (a hardware fact, before any step: bf16 emulated on a CPU runs a
+    GEMM many times slower than fp32); whatever still runs in 16-bit is said at setup.
+
+    Args:
+        rules: as given to the policy.
+        default: the policy's ``default``.
+        precision: the Trainer's precision, as a string.
+        device: where the model runs.
+        hardware: what the device offers for its 16-bit dtype (default: :func:`hardware_note`; given, in tests).
+
+    Example:
+        >>> fit_table(None, "keep", "16-mixed", "cpu")["matmul"]  # under autocast: the Trainer's 16-bit dtype
+        'fp16'
+    """
+    low = AUTOCAST_DTYPE.get(precision, "bf16")
+    table = initial_table(rules, default, low)
+    if precision in AUTOCAST_DTYPE or rules == "auto":
+        return table
+    note = hardware_note(device, low) if hardware is None else hardware
+    lowered = [c for c in DEFAULT_RULES if table[c] == low] if rules is None else []
+    if lowered and note.startswith("no "):
+        table.update(dict.fromkeys(lowered, "fp32"))
+        rank_zero_warn(f"PrecisionPolicy(): this {torch.device(device).type} has {note}: the built-in table's {low}"
+                       f" classes ({', '.join(lowered)}) run in fp32 here, where {low} is emulated and slower."
+                       f" rules='auto' measures each class; explicit rules run {low} anyway.")
+    sixteen = [c for c in GOVERNED if table[c] in ("bf16", "fp16", "fp8")]
+    if sixteen:
+        rank_zero_warn(f"PrecisionPolicy under precision={precision!r} (no autocast) lowers "
+                       + ", ".join(f"{c} to {table[c]}" for c in sixteen) + f" ({low}: {note or 'no hardware note'});"
+                       " every other class runs as written. rules='auto' lowers a class only where it measures"
+                       " faster and accurate enough here.")
     return table
 
 

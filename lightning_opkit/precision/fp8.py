@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_opkit.core.checks import check_bools, check_choice
@@ -369,6 +370,12 @@ class Float8Linears:
         self.device = device
         for by_override, modules in fp8_modules(model, table, overrides).items():
             self.convert(modules, device, by_override)
+        slow = fp8_unit_note(device) if device.type != "cuda" else ""
+        if self.converted and slow:  # still possible, to test float8's numerics; said before step 1 with its cost
+            rank_zero_warn(f"PrecisionPolicy: {len(self.converted)} Linear(s) run float8 GEMMs on {device.type}:"
+                           f" {slow}; torch runs them with a reference kernel, about 1400x fp32's step time on an MLP"
+                           " (docs/benchmarks.md, an Intel Xeon, 2026-12-06). Useful to test float8's numerics;"
+                           " float8 is fast only on GPUs with float8 units (compute capability 8.9 or more).")
 
     def convert(self, modules: list[tuple[str, nn.Module]], device: torch.device, override: bool = False) -> None:
         """Run each of ``modules`` (path, module) that float8 can take in float8, until :meth:`restore`.

@@ -34,6 +34,7 @@ from lightning_opkit.precision.config import (
     check_fp16,
     check_one_low_dtype,
     check_policy_args,
+    fit_table,
     initial_table,
 )
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
@@ -292,8 +293,8 @@ class PrecisionPolicy(OpkitCallback):
         self._detach()
         matched = resolve_modules(pl_module, self.overrides, argument="overrides", owner="PrecisionPolicy")
         if stage == "fit":
-            # the default rules' 16-bit classes in the dtype the Trainer autocasts to, so the two never mix
-            self.table = initial_table(self.rules, self.default, AUTOCAST_DTYPE.get(str(trainer.precision), "bf16"))
+            # the 16-bit dtype the Trainer autocasts to; none where the device lacks its units and nothing asked for it
+            self.table = fit_table(self.rules, self.default, str(trainer.precision), trainer.strategy.root_device)
             self._governor.set_table(self.table)
             overrides = {n: match_rule(n, self.overrides) for n, _ in matched}
             check_one_low_dtype(self.table, overrides, trainer.precision)  # type: ignore[arg-type]

@@ -365,3 +365,13 @@ def test_importing_torchao_through_opkit_prints_nothing_a_user_cannot_act_on():
     if not torch.cuda.is_available() and version("torchao") == "0.18.0":  # the pinned torchao says both
         assert any(n in bare for n in noise), bare
     assert not any(n in quiet for n in noise), quiet
+
+
+def test_explicit_fp8_on_a_cpu_warns_once_at_setup_with_its_cost(tmp_path):
+    policy = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=0, measure=False)
+    said_first = r"Linear\(s\) run float8 GEMMs on cpu: a CPU has no float8 GEMM units"
+    with pytest.warns(UserWarning, match=said_first) as said:
+        _train(tmp_path, "hf_llama", [policy], 2, precision="32-true")
+    assert len([w for w in said if "run float8 GEMMs on cpu" in str(w.message)]) == 1
+    assert f"{len(policy.fp8.converted)} Linear(s)" in next(str(w.message) for w in said if "float8 GEMMs" in
+                                                             str(w.message))

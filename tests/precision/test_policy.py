@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -373,3 +374,43 @@ def test_under_16_mixed_the_default_table_lowers_to_fp16_and_mixed_rules_are_ref
         fit(PrecisionPolicy(rules={"matmul": "bf16"}))
     with pytest.raises(ValueError, match=r"\['module head'\] in bf16"):
         fit(PrecisionPolicy(rules={"matmul": "fp16"}, overrides={"head": "bf16"}))
+
+
+def test_the_built_in_table_under_32_true_lowers_nothing_the_device_lacks_units_for_and_says_so_before_step_1():
+    from lightning_opkit.precision.config import fit_table
+
+    emulated = "no native bf16 units (AVX2 only, no avx512_bf16/amx_bf16)"
+    with pytest.warns(UserWarning, match=r"the built-in table's bf16 classes \(matmul, conv, attention, activation\)"
+                                         r" run in fp32 here"):
+        table = fit_table(None, "keep", "32-true", "cpu", hardware=emulated)
+    assert {table[c] for c in ("matmul", "conv", "attention", "activation")} == {"fp32"}
+    # explicit rules are the user's: kept, and said before step 1
+    with pytest.warns(UserWarning, match=r"precision='32-true' \(no autocast\) lowers matmul to bf16"):
+        assert fit_table({"matmul": "bf16"}, "keep", "32-true", "cpu", hardware=emulated)["matmul"] == "bf16"
+    # under autocast the Trainer's precision was the user's choice: nothing changed, nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fit_table(None, "keep", "bf16-mixed", "cpu", hardware=emulated)["matmul"] == "bf16"
+
+
+def test_a_default_policy_under_32_true_says_what_it_lowers_at_setup_before_the_first_step(tmp_path):
+    """On this machine, whatever its hardware: the warning comes before the first training step, and names what the
+    census then sees in 16-bit."""
+    steps = []
+
+    class FirstStep(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            steps.append(len(said))
+
+    policy = PrecisionPolicy(census_every_n_steps=1, measure=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [policy, FirstStep()], max_steps=1, precision="32-true").fit(Probe(), make_loader())
+    notes = [str(w.message) for w in said if "PrecisionPolicy" in str(w.message) and "32-true" in str(w.message)
+             or "built-in table" in str(w.message)]
+    assert notes
+    assert steps[0] >= 1  # said before step 1
+    lowered = {c for c, d in policy.table.items() if d == "bf16"}
+    assert ("matmul", "bf16") in policy.census or not lowered  # the census saw what the warning said would run
+    for cls in lowered:
+        assert f"{cls} to bf16" in notes[-1]
