@@ -1,12 +1,18 @@
-"""What the package declares is what was tested: the dependency ranges against docs/versions.md's runs, one version."""
+"""What the package declares is what was tested: the dependency ranges against docs/versions.md's runs, one version,
+and a wheel that installs beside the torch a user already has."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 import tomllib
+import torch
 from helpers import ROOT as _ROOT
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -48,3 +54,69 @@ def test_the_version_is_one_number():
     assert "version" not in project["project"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_opkit.__version__"}
     assert lightning_opkit.__version__ == version("lightning_opkit")
+
+
+_FIT = """
+import lightning.pytorch as pl
+import lightning_opkit
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_opkit import ActivationCheckpointing, NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
+
+print("FROM", lightning_opkit.__file__)
+callbacks = [PrecisionPolicy(measure=False), NaNDetector(), ProfilerWindows(every_n_steps=2, warmup=0, active=1),
+             TorchCompile(backend="eager"), ActivationCheckpointing(modules=["layer"])]
+trainer = pl.Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=False, callbacks=callbacks)
+trainer.fit(BoringModel())
+print("STEPS", trainer.global_step)
+"""
+
+
+def _run(*args, cwd):
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_beside_an_installed_torch_leaving_it_untouched_and_trains(tmp_path):
+    """Built as a user's pip would get it (wheel and sdist, twine check), then installed into a fresh environment that
+    already has a torch, lightning and the rest (this environment's, seen through a path file, less opkit itself):
+    pip resolves with no index at all, so it can only keep what is there; torch is the same before and after, and a
+    3-step fit with all five callbacks runs from the installed wheel."""
+    dist = tmp_path / "dist"
+    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, ROOT, cwd=tmp_path)
+    built = sorted(p.name for p in dist.iterdir())
+    assert built == [f"lightning_opkit-{lightning_opkit.__version__}-py3-none-any.whl",
+                     f"lightning_opkit-{lightning_opkit.__version__}.tar.gz"]
+    assert "PASSED" in _run(sys.executable, "-m", "twine", "check", *dist.iterdir(), cwd=tmp_path)
+
+    # the user's environment: every installed package of this one but opkit (a farm of links, read through a .pth)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    here = Path(next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir()))
+    for entry in here.iterdir():
+        if "opkit" not in entry.name:
+            (theirs / entry.name).symlink_to(entry)
+    venv_dir = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", "--without-pip", venv_dir, cwd=tmp_path)
+    python = venv_dir / "bin" / "python"
+    site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).strip())
+    (site / "theirs.pth").write_text(str(theirs) + "\n")
+    pip = [python, "-m", "pip", "--disable-pip-version-check"]  # pip is among their packages
+    freeze = [*pip, "freeze", "--all"]
+    torch_before = [line for line in _run(*freeze, cwd=tmp_path).splitlines() if line.startswith("torch==")]
+    assert torch_before == [f"torch=={torch.__version__}"]
+
+    report = tmp_path / "report.json"
+    _run(*pip, "install", "--dry-run", "--no-index", "--find-links", dist, "--report", report, "lightning_opkit",
+         cwd=tmp_path)
+    would = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert would == ["lightning_opkit"]  # nothing else, torch least of all
+    _run(*pip, "install", "--no-index", "--find-links", dist, "lightning_opkit", cwd=tmp_path)
+    torch_after = [line for line in _run(*freeze, cwd=tmp_path).splitlines() if line.startswith("torch==")]
+    assert torch_after == torch_before
+
+    out = _run(python, "-c", _FIT, cwd=tmp_path)
+    assert f"FROM {site}" in out  # the installed wheel, not this checkout
+    assert "STEPS 3" in out
