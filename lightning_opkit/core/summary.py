@@ -99,7 +99,7 @@ def report(trainer: pl.Trainer, callback: Any, writer: LogWriter | None,
     if not is_first(trainer, callback) or not trainer.is_global_zero or writer is None:
         return None
     # each writer's run_dir, not run_log_dir(trainer): under DDP that is a collective, and this is rank zero
-    writers = [w for w in (writer, *(getattr(m, "writer", None) for m in members(trainer))) if w is not None]
+    writers = [w for w in (getattr(m, "writer", None) for m in members(trainer)) if w is not None]  # `writer` first
     written: dict[tuple[tuple[str, ...], bool], LogWriter] = {}  # each place once: most callbacks share the loggers
     for each in writers:
         if each.active:

@@ -11,7 +11,7 @@ from lightning_opkit.core.checks import check_bools, check_fraction, check_int
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.dtypes import DTYPES, FP8_NEXT, GOVERNED, NAMES, NEVER_CAST, hardware_note
 
-__all__ = ["AUTOCAST_DTYPE", "DEFAULT_RULES", "check_one_low_dtype", "check_policy_args", "initial_table"]
+__all__ = ["AUTOCAST_DTYPE", "DEFAULT_RULES", "check_one_low_dtype", "check_policy_args", "fit_table", "initial_table"]
 
 #: GEMMs and GELU-like activations on Tensor Cores in bf16; variance, exponent and large-sum ops in fp32.
 DEFAULT_RULES: dict[str, str] = {
@@ -106,12 +106,12 @@ def initial_table(rules: str | dict[str, str] | None, default: str, low: str = "
 
 def fit_table(rules: str | dict[str, str] | None, default: str, precision: str, device: torch.device | str,
               hardware: str | None = None) -> dict[str, str]:
-    """The table a fit starts with, the user told before step 1 what runs in 16-bit where they did not ask for it.
+    """The table a fit starts with; where the user asked for no 16-bit, what runs in it is said before step 1.
 
     :func:`initial_table` in the dtype the Trainer autocasts to (the two 16-bit dtypes never mix). Under a precision
-    without autocast (``32-true``), the built-in table (``rules=None``) lowers nothing the device has no native units
-    for: those classes stay in fp32, said once (a hardware fact, before any step: bf16 emulated on a CPU runs a
-    GEMM many times slower than fp32); whatever still runs in 16-bit is said at setup.
+    that asks for no 16-bit at all (``32-true``), the built-in table (``rules=None``) lowers nothing the device has no
+    native units for: those classes stay in fp32, said once (a hardware fact, before any step: bf16 emulated on a CPU
+    runs a GEMM many times slower than fp32); whatever still runs in 16-bit is said at setup.
 
     Args:
         rules: as given to the policy.
@@ -126,8 +126,8 @@ def fit_table(rules: str | dict[str, str] | None, default: str, precision: str, 
     """
     low = AUTOCAST_DTYPE.get(precision, "bf16")
     table = initial_table(rules, default, low)
-    if precision in AUTOCAST_DTYPE or rules == "auto":
-        return table
+    if not precision.startswith(("32", "64")) or rules == "auto":
+        return table  # autocast or a 16-bit model: the Trainer's precision already asked for 16-bit
     note = hardware_note(device, low) if hardware is None else hardware
     lowered = [c for c in DEFAULT_RULES if table[c] == low] if rules is None else []
     if lowered and note.startswith("no "):
