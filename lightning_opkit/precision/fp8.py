@@ -370,7 +370,7 @@ class Float8Linears:
         self.device = device
         for by_override, modules in fp8_modules(model, table, overrides).items():
             self.convert(modules, device, by_override)
-        slow = fp8_unit_note(device) if device.type != "cuda" else ""
+        slow = fp8_unit_note(device)  # on a GPU without float8 units no module was converted: no word needed
         if self.converted and slow:  # still possible, to test float8's numerics; said before step 1 with its cost
             rank_zero_warn(f"PrecisionPolicy: {len(self.converted)} Linear(s) run float8 GEMMs on {device.type}:"
                            f" {slow}; torch runs them with a reference kernel, about 1400x fp32's step time on an MLP"
