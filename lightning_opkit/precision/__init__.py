@@ -5,7 +5,7 @@ How a step runs:
 - :mod:`.policy`: :class:`PrecisionPolicy`, the Lightning callback; :mod:`.config` checks its arguments and builds
   the starting table (op class -> dtype).
 - :mod:`.governor`: wraps each step method; a step runs under the policy's mode, under plain autocast (when auto
-  chose it), or as written (fp32 everywhere on an fp32 model).
+  chose it, or the table is exactly what autocast does), or as written (fp32 everywhere on an fp32 model).
 - :mod:`.function_mode`: the ``TorchFunctionMode`` that casts each op's inputs to its class's (or its module's)
   dtype; :mod:`.dtypes` names the dtypes and what the hardware offers.
 - :mod:`.census`: on census steps, what ran in which dtype, its error against fp32 recomputes, underflow, headroom;

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_opkit.core.facts import FASTER
+from lightning_opkit.core.facts import CLEARLY_SLOWER, FASTER
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import describe_error, markdown_table, times_phrase
@@ -43,8 +43,8 @@ __all__ = ["Fp8Ask", "Fp8Measurements", "Fp8Row", "measure_fp8"]
 
 #: timed calls per arm (the median decides)
 REPS = 5
-#: float8 this many times slower than the class's dtype after one call is not timed further (a CPU's reference GEMM)
-_CLEARLY_SLOWER = 3.0
+# float8 CLEARLY_SLOWER times slower than the class's dtype after one call is not timed further (a CPU's reference
+# GEMM)
 #: the chosen modules missing the tolerance together: the worst alone is dropped, at most this many times, then all
 _MAX_DROPS = 4
 
@@ -205,7 +205,7 @@ def _timed_pair(dims: tuple[int, int], bias: bool, tokens: Sequence[int], base: 
     with SUSPENDED.scope(), autocast_off():
         for name, fn in arms.items():  # warm-up: first-shape allocations, torchao's lazy imports
             trial.add(name, per_call_seconds(fn, device))
-        if trial.ratio(FP8, base) > _CLEARLY_SLOWER:
+        if trial.ratio(FP8, base) > CLEARLY_SLOWER:
             return trial.median(base), trial.median(FP8)
         trial = Trial(list(arms), rounds=reps)
         for name in trial.order:

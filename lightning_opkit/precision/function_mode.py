@@ -49,6 +49,9 @@ _BACKWARD = "backward"
 _SPECIAL = frozenset((_BODY, _BACKWARD))
 _PASS = frozenset((*NEVER_CAST, *_SPECIAL))
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+# Bound once: the hot path calls them on every op (dynamo recognises the function objects themselves)
+_is_compiling = torch.compiler.is_compiling
+_autocast_enabled, _set_autocast = torch.is_autocast_enabled, torch.set_autocast_enabled
 # Op names that draw random numbers (by name, as a ``TorchFunctionMode`` receives them)
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "poisson", "rrelu", "exponential", "uniform")
 
@@ -112,7 +115,7 @@ class PolicyMode(TorchFunctionMode):
     # out of it costs host time per op (benchmarks/host_cost.py measures it).
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),  # noqa: C901
                            kwargs: dict | None = None) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return self._governed(func, args, kwargs or {}, True)
         # The eager hot path: every torch call of the step comes through here, so it does one dict lookup, reads the
         # table, and casts with the cheapest call that does it (``to(dtype=...)`` parses fastest of the ``to`` forms).
@@ -130,7 +133,7 @@ class PolicyMode(TorchFunctionMode):
         stack = state.module_stack
         dtype = stack[-1] if stack else state.class_dtypes[cls]
         devices = state.autocast_devices
-        if devices and not torch.is_autocast_enabled(devices[0]):
+        if devices and not _autocast_enabled(devices[0]):
             if not stack:
                 return func(*args, **(kwargs or {}))  # the user turned autocast off here: their code runs as written
             devices = []  # off already (a replay's fp32 region inside an override): nothing to turn off and on
@@ -138,23 +141,18 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if func in UPDATED_ARGS:
             return self._governed(func, args, kwargs or {}, False)
-        cast_args = []
-        for a in args:
-            if isinstance(a, Tensor):
-                if a.dtype != dtype and a.is_floating_point():
-                    a = a.to(dtype=dtype)
-            elif isinstance(a, (list, tuple)):
-                a = cast(a, dtype)
-            cast_args.append(a)
+        cast_args = [(a.to(dtype=dtype) if a.dtype != dtype and a.is_floating_point() else a)
+                     if isinstance(a, Tensor) else (cast(a, dtype) if isinstance(a, (list, tuple)) else a)
+                     for a in args]
         kwargs = {k: cast(v, dtype) for k, v in kwargs.items()} if kwargs else {}
         if not devices:
             return func(*cast_args, **kwargs)
         # The policy, not autocast, decides: autocast would recast the inputs just cast.
-        torch.set_autocast_enabled(devices[0], False)
+        _set_autocast(devices[0], False)
         try:
             return func(*cast_args, **kwargs)
         finally:
-            torch.set_autocast_enabled(devices[0], True)
+            _set_autocast(devices[0], True)
 
     def _governed(self, func: Callable[..., Any], args: tuple, kwargs: dict, compiling: bool) -> Any:
         """The general path: traced under compile, and eagerly for census steps and ops that update their args."""

@@ -1,8 +1,9 @@
 """How one step runs under a PrecisionPolicy, Trainer-free: its mode, module overrides, plain autocast, census.
 
-A step runs in one of three ways: under the policy's function mode (a table to apply, a module override, a census
-step, a NaN cause replay's fp32 region); under plain ``torch.autocast`` (``rules="auto"`` chose it); or as written
-(fp32 decided everywhere on an fp32 model: the mode's per-op cost is not paid).
+A step runs in one of three ways: under the policy's function mode (a table autocast cannot express, a module
+override, a census step, a NaN cause replay's fp32 region); under plain ``torch.autocast`` (``rules="auto"`` chose
+it, or the table is exactly what autocast does: GEMM classes in one 16-bit dtype, every other class ``keep``); or as
+written (fp32 decided everywhere on an fp32 model). Only the first pays the mode's Python cost on every op.
 """
 
 from __future__ import annotations
@@ -15,11 +16,43 @@ import torch
 
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.precision.census import Census
-from lightning_opkit.precision.dtypes import DTYPES
+from lightning_opkit.precision.dtypes import DTYPES, GOVERNED
 from lightning_opkit.precision.function_mode import ModeState, PolicyMode
 from lightning_opkit.precision.oplog import OpLog
 
-__all__ = ["StepGovernor"]
+__all__ = ["ASIDE", "AUTOCAST_LOWERS", "StepGovernor", "autocast_expresses"]
+
+ASIDE = "nothing lowered on this fp32 model: the policy stands aside (the model runs as written, no census)"
+#: the op classes autocast lowers to its 16-bit dtype: their ops are on its lower-precision list on CPU and CUDA, or
+#: are composites of ops on it (``einsum``, ``tensordot``)
+AUTOCAST_LOWERS = ("matmul", "conv", "attention")
+#: modules whose GEMMs autocast treats otherwise than the mode's class rule (it lowers some RNN kernels and no
+#: ``bilinear``): a table is not expressed as autocast on a model holding one
+_UNLIKE_AUTOCAST = (torch.nn.RNNBase, torch.nn.Bilinear)
+
+
+def autocast_expresses(table: dict[str, str]) -> str | None:
+    """The 16-bit dtype whose plain ``torch.autocast`` runs ``table`` as the mode would, else ``None``.
+
+    That is ``matmul``, ``conv`` and ``attention`` in one 16-bit dtype and every other class ``keep`` (left to
+    autocast, which keeps some, losses on CPU and softmax/norms on CUDA, in fp32). A GEMM class missing from ``table``
+    (``rules="auto"`` did not see the model run it) matches any.
+
+    Args:
+        table: op class -> dtype name.
+
+    Example:
+        >>> autocast_expresses({"matmul": "bf16", "norm": "keep"})
+        'bf16'
+        >>> autocast_expresses({"matmul": "bf16", "norm": "fp32"}) is None  # autocast cannot raise a norm to fp32
+        True
+    """
+    lowered = {table[c] for c in AUTOCAST_LOWERS if c in table}  # a class not given (not seen to run) matches
+    if len(lowered) != 1 or not lowered <= {"bf16", "fp16"}:
+        return None
+    if any(table.get(c, "keep") != "keep" for c in GOVERNED if c not in AUTOCAST_LOWERS):
+        return None
+    return lowered.pop()
 
 
 class StepGovernor:
@@ -42,6 +75,8 @@ class StepGovernor:
         self.passthrough = False
         #: plain autocast in this dtype name (``rules="auto"`` chose it), on ``autocast_device``
         self.autocast: str | None = None
+        #: the table in force is what autocast in this dtype name does: autocast runs it (see :meth:`express`)
+        self.expressed: str | None = None
         self.autocast_device = "cpu"
         #: the next training step is a census step
         self.census_step = False
@@ -54,6 +89,46 @@ class StepGovernor:
         self._overriding = 0  # running_in() contexts open: the mode must run
         #: modules pinned to a dtype at run time (a NaN repair): the mode must run
         self.pinned = False
+
+    def express(self, table: dict[str, str], model: torch.nn.Module, overrides: bool) -> None:
+        """From the next step, run ``table`` as plain autocast where autocast does exactly that, without the mode.
+
+        Args:
+            table: the table in force.
+            model: the model, on its device (one holding an RNN or ``nn.Bilinear`` keeps the mode).
+            overrides: module overrides or float8 GEMMs are held (they need the mode).
+        """
+        expressed = None if overrides else autocast_expresses(table)
+        if expressed is not None and any(isinstance(m, _UNLIKE_AUTOCAST) for m in model.modules()):
+            expressed = None
+        self.expressed = expressed
+        self.autocast_device = next(model.parameters(), torch.empty(0)).device.type
+
+    def settle(self, table: dict[str, str], decided: dict[str, str], model: torch.nn.Module, overrides: bool,
+               fp8: bool = False) -> None:
+        """How steps run from now on under a decided ``table``: as written, as plain autocast, or under the mode.
+
+        Args:
+            table: the table in force, every class.
+            decided: the classes decided (those the model was seen to run) and their dtypes.
+            model: the model, on its device.
+            overrides: module overrides are held (they need the mode).
+            fp8: float8 GEMMs run (they are not autocast's either).
+        """
+        # Nothing worth lowering on an fp32 model without autocast: the model runs as written, without the mode's
+        # per-op cost (~2% of a step on the example) and without a census. NaN cause replays still enter it.
+        self.passthrough = not overrides and (self.autocast is not None or (
+            all(table[c] == "fp32" for c in GOVERNED)
+            and all(t.dtype == torch.float32 for t in (*model.parameters(), *model.buffers())
+                    if t.is_floating_point())))
+        self.express(decided, model, overrides or fp8 or self.autocast is not None)
+
+    def aside(self) -> str:
+        """Why the mode stands aside on most steps, for the summary: empty where it runs."""
+        if self.expressed is not None and self.autocast is None:
+            return (f"the table is what torch.autocast in {self.expressed} does: autocast runs it, the mode only on"
+                    " census steps")
+        return ASIDE if self.passthrough else ""
 
     def census(self) -> Any:
         """The census of the census step running now, else ``None``."""
@@ -101,20 +176,22 @@ class StepGovernor:
 
     def runs_mode(self, is_training: bool) -> bool:
         """Whether this step runs under the policy's mode (else the model runs as written, or under autocast)."""
-        if self._overriding or self.pinned or not self.passthrough:
-            return True  # a NaN cause replay's fp32 region, or a table to apply
-        if self.autocast is not None:
-            return is_training and self.census_step  # census steps count what autocast ran (an all-keep table)
+        if self._overriding or self.pinned or (is_training and self.speed_log is not None):
+            return True  # a NaN cause replay's fp32 region, a pinned module, the speed check's recorded step
+        if self.autocast is not None or self.expressed is not None:
+            return is_training and self.census_step  # census steps count what autocast ran
+        if not self.passthrough:
+            return True  # a table to apply
         return bool(self.state.autocast_devices)  # fp32 decided, but the Trainer's autocast would lower ops
 
     def wrap(self, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:
         """``step`` (a LightningModule's step method), run as the policy says."""
 
         def run_step(*args: Any, **kwargs: Any) -> Any:
-            device = self.autocast_device
-            if self.autocast is not None and not torch.is_autocast_enabled(device):
-                # rules="auto" chose plain autocast: the step runs as under precision="bf16-mixed".
-                with torch.autocast(device, dtype=DTYPES[self.autocast]):
+            device, dtype = self.autocast_device, self.autocast or self.expressed
+            if dtype is not None and not torch.is_autocast_enabled(device):
+                # plain autocast (auto chose it, or it is the table): the step runs as under precision="bf16-mixed"
+                with torch.autocast(device, dtype=DTYPES[dtype]):
                     return self._governed(step, is_training, args, kwargs)
             return self._governed(step, is_training, args, kwargs)
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_opkit.core.facts import CLEARLY_SLOWER
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import per_call_seconds, sync
@@ -28,9 +29,7 @@ __all__ = ["time_classes"]
 #: of each class, time the costliest op shapes that make up this share of its fp32 time (at most _MAX_SHAPES)
 _COVER = 0.9
 _MAX_SHAPES = 3
-#: a dtype this many times slower than fp32 after one repetition is not timed further
-_CLEARLY_SLOWER = 3.0
-
+# a dtype CLEARLY_SLOWER times slower than fp32 after one repetition is not timed further
 #: each timing sample lasts at least this long (fast ops: several calls per sample, at most _MAX_INNER)
 _SAMPLE_S = 1e-3
 _MAX_INNER = 20
@@ -88,7 +87,7 @@ def _time_op(example: tuple, device: torch.device, dtypes: list[torch.dtype], re
         timer.inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(timer.sample(dtypes[0]), 1e-7))))
         for rep in range(reps):
             for d in dtypes:
-                if rep and d != dtypes[0] and samples[d][0] > _CLEARLY_SLOWER * samples[dtypes[0]][0]:
+                if rep and d != dtypes[0] and samples[d][0] > CLEARLY_SLOWER * samples[dtypes[0]][0]:
                     continue
                 samples[d].append(timer.sample(d))
     return {d: statistics.median(v) for d, v in samples.items()}

@@ -57,7 +57,6 @@ from lightning_opkit.precision.pin import labelled_overrides, pinned_arguments, 
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import check_speed, lowered
 from lightning_opkit.precision.view import (
-    ASIDE,
     CHARTS,
     policy_markdown,
     record_facts,
@@ -280,7 +279,7 @@ class PrecisionPolicy(OpkitCallback):
         """This callback's lines of the run summary."""
         overrides = labelled_overrides(self.overrides, self.pinned, self._plan)
         governor = self._governor
-        lines = summary_lines(self.table, self.decisions, overrides, governor.autocast, governor.passthrough,
+        lines = summary_lines(self.table, self.decisions, overrides, governor.autocast, governor.aside(),
                               self._auto if self.auto else None)
         again = self.decision_as_arguments()
         lines += fp8_lines(self.fp8, self._auto.fp8_lines() if self.auto else None)
@@ -318,6 +317,7 @@ class PrecisionPolicy(OpkitCallback):
         self._facts = facts_of(trainer)
         self._record_facts()
         self._measured_at, self._governor.passthrough, self._governor.autocast = None, False, None
+        self._governor.express({} if self.auto else self.table, pl_module, bool(matched or self.fp8.converted))
         self._auto.reset()
         self._log_table(trainer.global_step)
 
@@ -355,12 +355,8 @@ class PrecisionPolicy(OpkitCallback):
         table.update({c: d.dtype for c, d in self.decisions.items()})
         self.table = table
         governor.set_table(table)
-        # Nothing worth lowering on an fp32 model without autocast: the model runs as written, without the mode's
-        # per-op cost (~2% of a step on the example) and without a census. NaN cause replays still enter it.
-        governor.passthrough = not self.overrides and (plan.autocast is not None or (
-            all(table[c] == "fp32" for c in GOVERNED)
-            and all(t.dtype == torch.float32 for t in (*pl_module.parameters(), *pl_module.buffers())
-                    if t.is_floating_point())))
+        governor.settle(table, {c: d.dtype for c, d in self.decisions.items()}, pl_module, bool(self.overrides),
+                        bool(self.fp8.converted))
         self._record_facts()
 
     def _record_facts(self) -> None:
@@ -472,6 +468,6 @@ class PrecisionPolicy(OpkitCallback):
             {c: d.dtype for c, d in self.decisions.items()}), step)
         again = f"\n\nTo run it again without measuring: `{self.decision_as_arguments()}`"
         self._writer.text("opkit/precision/decision", self._auto.decision_markdown(
-            self.decisions, ASIDE if self._governor.passthrough else "") + again, step)
+            self.decisions, self._governor.aside()) + again, step)
         self._log_table(step)
         self._writer.flush()

@@ -13,6 +13,7 @@ from lightning_opkit.precision.census import CensusRow, census_markdown, merge_r
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import GOVERNED
 from lightning_opkit.precision.fp8_measure import Fp8Measurements, Fp8Row
+from lightning_opkit.precision.governor import ASIDE
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import lowered
 
@@ -27,7 +28,6 @@ CHARTS: dict[str, list[Any]] = {
     "measurement time (s)": ["Multiline", [r"opkit/precision/measure_s"]],
 }
 
-ASIDE = "nothing lowered on this fp32 model: the policy stands aside (the model runs as written, no census)"
 
 
 def policy_markdown(table: dict[str, str], decisions: dict[str, Decision], overrides: dict[str, str],
@@ -89,7 +89,7 @@ def write_census(writer: LogWriter | None, rows: list[CensusRow], table: dict[st
 
 
 def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrides: dict[str, str],
-                  autocast: str | None, passthrough: bool, auto: Any | None) -> list[str]:
+                  autocast: str | None, aside: str, auto: Any | None) -> list[str]:
     """The policy's lines of the run summary.
 
     Args:
@@ -97,7 +97,7 @@ def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrid
         decisions: ``rules="auto"``'s decisions.
         overrides: the module overrides.
         autocast: plain autocast's dtype, when ``rules="auto"`` chose it.
-        passthrough: the policy stands aside.
+        aside: why the policy's mode stands aside on most steps (:meth:`StepGovernor.aside`), or empty.
         auto: the :class:`~lightning_opkit.precision.auto.AutoPrecision` under ``rules="auto"``, else ``None``.
     """
     by_dtype: dict[str, list[str]] = {}
@@ -116,8 +116,8 @@ def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrid
         lines.append(f"  {auto.choice.comparison()}")
     if overrides:
         lines.append("  module overrides: " + ", ".join(f"{k} -> {v}" for k, v in overrides.items()))
-    if passthrough:
-        lines.append(f"  {ASIDE}")
+    if aside:
+        lines.append(f"  {aside}")
     return lines
 
 
