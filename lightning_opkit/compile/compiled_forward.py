@@ -18,10 +18,11 @@ import torch
 from lightning_opkit.compile.config import COMPILE_FAILURES
 from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
 from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
+from lightning_opkit.core.facts import FASTER
 from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.trial import Trial
 
-__all__ = ["SLOWER", "CompiledForward", "RegionHooks", "limit_message", "speed_trial", "stance"]
+__all__ = ["CompiledForward", "RegionHooks", "limit_message", "speed_trial", "stance"]
 
 
 def stance() -> str:
@@ -70,8 +71,6 @@ def limit_message(region: Region, regions: dict[str, Region]) -> tuple[str, list
             f" past the limit dynamo silently runs it eagerly. The guard that keeps failing: {guard}"), sharing
 
 
-#: compiled counts as slower when eager / compiled time is below 1 / (1 + SLOWER): beyond the noise of the medians
-SLOWER = 0.10
 #: calls of a region remembered for an activation checkpoint's recompute (a block called this often in one step)
 _REMEMBERED = 1024
 
@@ -85,7 +84,8 @@ class RegionHooks:
         on_recompile: called after a call that recompiled the region.
         on_slower: called once the region measured slower compiled than eager and runs eagerly from then on.
         speedup: measure eager against compiled time once (:func:`speed_trial`, on its own calls).
-        eager_if_slower: run eagerly from then on if compiled measured slower (beyond :data:`SLOWER`).
+        eager_if_slower: run eagerly from then on if eager measured :data:`~lightning_opkit.core.facts.FASTER` times
+            faster than compiled (the kit's one speed bar).
         sizes_dynamic: dynamo marks a changed dimension dynamic (``dynamic`` is not ``False``): one recompile per
             such size change is expected.
         agree: rank zero's measured speedup, on every rank (a broadcast under DDP and FSDP2): every rank then runs
@@ -180,7 +180,7 @@ class CompiledForward:
         # alike from here, its collectives included.
         region = self.region
         region.speedup = self.hooks.agree(speedup)
-        if self.hooks.eager_if_slower and region.speedup < 1 / (1 + SLOWER):
+        if self.hooks.eager_if_slower and region.speedup * FASTER <= 1:
             region.slower = True
             self.hooks.on_slower(region)
 

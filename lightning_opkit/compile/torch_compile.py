@@ -69,7 +69,7 @@ class TorchCompile(OpkitCallback):
             device's clock) and report eager / compiled time; the price is three of each region's calls run eagerly
             once. ``False`` times nothing, and every region stays compiled. (Was ``measure_speedup``, which was off by
             default while ``eager_if_slower`` timed anyway.)
-        eager_if_slower: with ``measure``, where compiled measured more than 10% slower than eager, run that region
+        eager_if_slower: with ``measure``, where eager measured at least 5% faster than compiled, run that region
             eagerly from then on (its compiled code kept, unused); named in the regions table,
             ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling is meant to speed
             training up, and fusion is not always a win (small or launch-bound regions, a region whose graph breaks).

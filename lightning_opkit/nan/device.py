@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from lightning_opkit.nan.replays import MicroBatch, Replays
     from lightning_opkit.nan.skip import StepSkipper
 
-__all__ = ["DeviceDecision", "HostCopy", "as_of_step", "check_device_decision", "takes_found_inf", "with_found_inf"]
+__all__ = ["DeviceDecision", "HostCopy", "as_of_step", "check_device_decision", "takes_found_inf"]
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -46,30 +46,6 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
         (True, False)
     """
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def with_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor, step: Any, **kwargs: Any) -> Any:
-    """Run ``step(**kwargs)`` with ``found_inf`` handed to the optimizer, as a GradScaler hands it, and take it back.
-
-    Args:
-        optimizer: a fused optimizer (:func:`takes_found_inf`).
-        found_inf: a 0-d float32 tensor on the parameters' device: 1 leaves the update out, 0 applies it.
-        step: the optimizer's own ``step``.
-        kwargs: passed on to ``step``.
-
-    Example:
-        >>> p = torch.nn.Parameter(torch.ones(2))
-        >>> opt = torch.optim.SGD([p], lr=1.0, fused=True)
-        >>> p.grad = torch.ones(2)
-        >>> _ = with_found_inf(opt, torch.ones(()), opt.step)
-        >>> p.tolist(), hasattr(opt, "found_inf")
-        ([1.0, 1.0], False)
-    """
-    optimizer.found_inf, optimizer.grad_scale = found_inf, None  # type: ignore[attr-defined]
-    try:
-        return step(**kwargs)
-    finally:
-        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
