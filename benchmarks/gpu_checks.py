@@ -36,6 +36,11 @@ can be (the exported Chrome trace, CUDA's sync debug mode, the datasheet):
     (Inductor) the median step is faster than bf16-mixed's with the same compile, interleaved (A B B A). On a GPU
     below compute capability 8.9 auto tries no float8 and says why. Needs torchao (``pip install
     'lightning_opkit[fp8]'``, or its wheel unpacked on ``PYTHONPATH``): without it, FAIL.
+12. ``NVTX ranges``: ``ProfilerWindows(ranges="steps")`` pushes its ranges through ``torch.cuda.nvtx`` (counted with
+    ``sys.setprofile``, nothing of opkit's read): one per step and module forward, every push popped.
+13. ``autocast table``: where the policy's table is what autocast does, its eager step at d_model 128 (launch-bound)
+    is within 5% of plain bf16-mixed's, interleaved (A B A B), with no TorchFunctionMode active on a non-census step;
+    the built-in table (the mode) is printed beside it.
 """
 
 from __future__ import annotations
@@ -473,6 +478,98 @@ def check_fp8(c: Check, root: str) -> None:
     c.expect(median["fp8"] < median["bf16"], "auto with fp8 faster than bf16-mixed, both compiled")
 
 
+class NvtxCount:
+    """Calls into ``torch.cuda.nvtx.range_push``/``range_pop`` on this thread, from ``sys.setprofile``."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.depth = self.lowest = 0
+        self._codes = (torch.cuda.nvtx.range_push.__code__, torch.cuda.nvtx.range_pop.__code__)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in self._codes:
+            if frame.f_code is self._codes[0]:
+                self.names.append(str(frame.f_locals.get("msg")))
+                self.depth += 1
+            else:
+                self.depth -= 1
+                self.lowest = min(self.lowest, self.depth)
+
+    def __enter__(self) -> NvtxCount:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(None)
+
+
+def check_nvtx(c: Check, root: str) -> None:
+    """Check 12: NVTX ranges per step and module forward, balanced."""
+    windows = ProfilerWindows(every_n_steps=10_000, ranges="steps")
+    with NvtxCount() as seen:
+        fit(LM(d=128, layers=2, vocab=512, seq=64), [windows], 4, root)
+    steps = [n for n in seen.names if n.startswith("opkit step ")]
+    c.note(f"{len(seen.names)} NVTX ranges pushed, {len(steps)} of them steps; e.g. {seen.names[2:5]}")
+    c.expect(len(steps) == 4, "one range per training step")
+    c.expect(any(n.startswith("blocks.0") and n.endswith("]") for n in seen.names), "module ranges by path [class]")
+    c.expect(seen.depth == 0 and seen.lowest >= 0, "every push popped, never a pop with nothing open")
+    c.expect(windows.range_marks is not None and windows.range_marks.pushed == len(seen.names),
+             "the callback's count is what torch.cuda.nvtx saw")
+
+
+def check_autocast_table(c: Check, root: str) -> None:
+    """Check 13: a table autocast expresses runs as autocast, at autocast's step time."""
+    from lightning_opkit.precision.dtypes import GOVERNED
+    from lightning_opkit.precision.governor import AUTOCAST_LOWERS
+
+    table = dict.fromkeys(GOVERNED, "keep") | dict.fromkeys(AUTOCAST_LOWERS, "bf16")
+    modes: list[int] = []
+
+    class Modes(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.handle = pl_module.embed.register_forward_pre_hook(
+                lambda m, a: modes.append(len(torch.overrides._get_current_function_mode_stack())) and None)
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.handle.remove()
+
+    def one(kind: str) -> float:
+        timer, callbacks, precision = StepClock(), [], "bf16-mixed"
+        if kind != "bf16-mixed":
+            rules = table if kind == "autocast table" else None
+            callbacks, precision = [PrecisionPolicy(rules=rules, census_every_n_steps=0, measure=False)], "32-true"
+        if kind == "autocast table":
+            callbacks.append(Modes())
+        fit(LM(d=128, layers=4, vocab=512, seq=64), [timer, *callbacks], 30, root, precision=precision)
+        return statistics.median(timer.intervals()[10:])
+
+    times: dict[str, list[float]] = {"bf16-mixed": [], "autocast table": [], "built-in table": []}
+    for _ in range(2):
+        for kind in times:
+            times[kind].append(one(kind))
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    c.note(", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) +
+           f"; autocast table / bf16-mixed {ms['autocast table'] / ms['bf16-mixed']:.3f},"
+           f" built-in / bf16-mixed {ms['built-in table'] / ms['bf16-mixed']:.3f}")
+    c.expect(ms["autocast table"] <= 1.05 * ms["bf16-mixed"], "the autocast table within 5% of bf16-mixed")
+    c.expect(bool(modes) and max(modes[1:]) == 0, "no TorchFunctionMode active on its steps (census off)")
+
+
+class StepClock(pl.Callback):
+    """Wall time between consecutive training batch starts, the device synchronized."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        torch.cuda.synchronize()
+        self.starts.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:])]
+
+
 CHECKS: list[tuple[str, Callable[[Check, str], None]]] = [
     ("1+2. device time and roofline, eager", lambda c, r: check_device_time(c, r, compiled=False)),
     ("1. device time, compiled (Inductor)", lambda c, r: check_device_time(c, r, compiled=True)),
@@ -485,6 +582,8 @@ CHECKS: list[tuple[str, Callable[[Check, str], None]]] = [
     ("9. cudagraphs", check_cudagraphs),
     ("10. memory", check_memory),
     ("11. fp8", check_fp8),
+    ("12. NVTX ranges", check_nvtx),
+    ("13. autocast table", check_autocast_table),
 ]
 
 

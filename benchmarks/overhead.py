@@ -51,6 +51,8 @@ class HookClock:
 
     def __init__(self, callback: pl.Callback) -> None:
         self.seconds = 0.0
+        #: seconds inside the hooks per global step (the step the Trainer was at when the hook ran)
+        self.per_step: dict[int, float] = {}
         for name in dir(type(callback)):
             if name.startswith("on_") and name != "on_exception" and callable(getattr(callback, name)):
                 setattr(callback, name, self._timed(getattr(callback, name)))
@@ -61,7 +63,11 @@ class HookClock:
             try:
                 return hook(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                self.seconds += spent
+                step = getattr(args[0], "global_step", None) if args else None
+                if step is not None:
+                    self.per_step[step] = self.per_step.get(step, 0.0) + spent
 
         return timed
 
@@ -83,15 +89,16 @@ def loader(batch_size: int = 64) -> DataLoader:
 Variant = Callable[[], tuple[pl.LightningModule, list[pl.Callback], dict]]
 
 
-def run(make: Variant, steps: int, skip: int) -> tuple[float, list[pl.Callback]]:
+def run(make: Variant, steps: int, skip: int, timer: StepTimer | None = None) -> tuple[float, list[pl.Callback]]:
     model, callbacks, kwargs = make()
-    timer = StepTimer()
+    data = kwargs.pop("data", None) or loader()  # a zoo model brings its own
+    timer = timer or StepTimer()
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(default_root_dir=root, max_steps=steps, accelerator=ACCELERATOR, devices=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[timer, *callbacks], limit_val_batches=0, num_sanity_val_steps=0,
                              **{"precision": "32-true", **kwargs})
-        trainer.fit(model, loader())
+        trainer.fit(model, data)
     return statistics.median(timer.intervals()[skip:]), callbacks
 
 
@@ -248,6 +255,19 @@ def suite_precision_compile(args) -> None:
            "bf16-mixed + TorchCompile")
 
 
+def suite_ranges(args) -> None:
+    """ProfilerWindows(ranges="steps"): an ITT range per module forward and step, on every step (no window open)."""
+    medians = interleave({
+        "no callback": lambda: (vit(), [], {}),
+        'ProfilerWindows(ranges="steps")': lambda: (vit(), [ProfilerWindows(every_n_steps=10_000, ranges="steps")],
+                                                    {}),
+    }, args.steps, args.reps, args.skip)
+    report("Named ranges (ITT on a CPU) on every step, the example ViT", medians, "no callback")
+    inside, step = hook_cost(lambda: ProfilerWindows(every_n_steps=10_000, ranges="steps"), args.steps, args.skip)
+    print(f"  time inside ProfilerWindows' hooks (the step ranges): {inside:.3f} ms/step = {100 * inside / step:.2f}%"
+          f" of a {step:.2f} ms step; the module ranges' hooks run inside the forward, in the ratio above")
+
+
 def suite_profiler(args) -> None:
     medians = interleave({
         "no callback": lambda: (vit(), [], {}),
@@ -360,11 +380,76 @@ def suite_cold_start(args) -> None:
               f" (ratio {reg_s / whole_s:.3f})")
 
 
+KIT_EVERY = 20  # census and profiler windows every 20 steps: steps 20-22, 40-42, ... are census or window steps
+
+
+def kit(census: bool = True) -> list[pl.Callback]:
+    """All five callbacks, as a user adds them: auto precision, every step checked, windows, compile, checkpointing."""
+    from lightning_opkit import ActivationCheckpointing
+
+    return [PrecisionPolicy(rules="auto", census_every_n_steps=KIT_EVERY if census else 0), NaNDetector(),
+            ProfilerWindows(every_n_steps=KIT_EVERY, warmup=1, active=2), TorchCompile(modules="auto", backend="eager"),
+            ActivationCheckpointing()]
+
+
+def zoo_variant(name: str):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from zoo import build
+
+    def make(callbacks: list[pl.Callback]):
+        model = build(name)
+        return model, callbacks, {"data": model.loader(n=4 * 200)}
+
+    return make
+
+
+def suite_kit(args) -> None:
+    """The whole kit's steady-state cost: steps between census and windows, census and window steps, per callback."""
+    models = {"example ViT": lambda callbacks: (vit(), callbacks, {}),
+              "hf_gpt2 (zoo)": zoo_variant("hf_gpt2"), "hf_llama (zoo)": zoo_variant("hf_llama")}
+    steps = max(args.steps, 3 * KIT_EVERY)
+
+    def between(step: int) -> bool:  # not a census step, not in a window, past auto's measurement and trials
+        return step >= 10 and step % KIT_EVERY >= 3
+
+    for title, make in models.items():
+        rows: dict[str, list[float]] = {"without": [], "with the kit": [], "census/window steps": []}
+        inside: dict[str, list[float]] = {}
+        for _ in range(args.reps):
+            timer = StepTimer()
+            run(lambda make=make: make([]), steps, 0, timer)
+            base = [t for i, t in enumerate(timer.intervals()) if between(i)]
+            callbacks = kit()
+            clocks = {type(c).__name__: HookClock(c) for c in callbacks}
+            timer = StepTimer()
+            run(lambda make=make, callbacks=callbacks: make(callbacks), steps, 0, timer)
+            ticks = timer.intervals()
+            rows["without"].append(statistics.median(base))
+            rows["with the kit"].append(statistics.median(t for i, t in enumerate(ticks) if between(i)))
+            rows["census/window steps"].append(statistics.median(
+                t for i, t in enumerate(ticks) if i >= KIT_EVERY and i % KIT_EVERY < 3))
+            for name, clock in clocks.items():
+                inside.setdefault(name, []).append(statistics.median(
+                    s for i, s in clock.per_step.items() if between(i)))
+        step = statistics.median(rows["with the kit"])
+        print(f"\n== The kit's steady state on {title} ({args.reps} runs each; between = steps past 10 that are"
+              f" neither census nor window steps)")
+        for name, values in rows.items():
+            print(f"  {name:<22} {1e3 * statistics.median(values):8.2f} ms/step")
+        hooks = 0.0
+        for name, values in inside.items():
+            hooks += statistics.median(values)
+            print(f"  inside {name}'s hooks on a step between: {1e3 * statistics.median(values):.3f} ms"
+                  f" = {100 * statistics.median(values) / step:.2f}% of the step")
+        print(f"  all five callbacks' hooks on a step between: {100 * hooks / step:.2f}% of the step (target < 2%)")
+
+
 SUITES = {"nan": suite_nan, "nan_device": suite_nan_device, "precision": suite_precision,
           "precision_loop": suite_precision_loop,
           "precision_auto": suite_precision_auto,
           "precision_compile": suite_precision_compile,
-          "profiler": suite_profiler, "compile": suite_compile, "cold_start": suite_cold_start}
+          "profiler": suite_profiler, "compile": suite_compile, "cold_start": suite_cold_start, "kit": suite_kit,
+          "ranges": suite_ranges}
 
 
 def main() -> None:

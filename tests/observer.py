@@ -111,3 +111,53 @@ def event_dirs(root) -> list[str]:
 def trace_files(root) -> list[str]:
     """Every profiler trace under ``root``."""
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if ".pt.trace.json" in f)
+
+
+class RangeObserver:
+    """Records the named ranges pushed and popped through torch's ITT and NVTX APIs, seen from ``sys.setprofile``.
+
+    Every call into ``torch.profiler.itt.range_push``/``range_pop`` (and ``torch.cuda.nvtx``'s) on this thread is
+    counted with its name, whoever makes it: nothing of opkit's is read.
+    """
+
+    def __init__(self) -> None:
+        import torch.cuda.nvtx as nvtx
+        import torch.profiler.itt as itt
+
+        self._push = {itt.range_push.__code__, nvtx.range_push.__code__}
+        self._pop = {itt.range_pop.__code__, nvtx.range_pop.__code__}
+        self.events: list[tuple[str, str | None]] = []
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if code in self._push:
+                self.events.append(("push", frame.f_locals.get("msg")))
+            elif code in self._pop:
+                self.events.append(("pop", None))
+
+    def __enter__(self):
+        import sys
+
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.setprofile(None)
+        return False
+
+    @property
+    def names(self) -> list[str]:
+        """The names pushed, in order."""
+        return [name for kind, name in self.events if kind == "push"]
+
+    def balanced(self) -> bool:
+        """Every push popped, and never a pop with nothing open."""
+        depth = 0
+        for kind, _ in self.events:
+            depth += 1 if kind == "push" else -1
+            if depth < 0:
+                return False
+        return depth == 0

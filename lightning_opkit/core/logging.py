@@ -239,6 +239,18 @@ class LogWriter:
         """
         self.text(tag, markdown_table(headers, rows), step)
 
+    def graph(self, graph_def: Any) -> None:
+        """Write a model graph (a TensorBoard ``GraphDef``) for the Graphs tab; TensorBoard only.
+
+        Args:
+            graph_def: ``tensorboard.compat.proto.graph_pb2.GraphDef``.
+        """
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        for board in self._writers:
+            # SummaryWriter.add_graph would trace the model with torch.jit; its file writer takes the graph as drawn
+            board.file_writer.add_event(Event(graph_def=graph_def.SerializeToString()))
+
     def custom_scalars(self, layout: dict[str, Any]) -> None:
         """Write a TensorBoard custom-scalars layout (the Custom Scalars tab).
 

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.text import markdown_table
 from lightning_opkit.profiler.op_times import WindowReport
 from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.view import log_roofline
+
+
+def window_charts(roofline: bool) -> dict[str, dict[str, list[Any]]]:
+    """ProfilerWindows' custom-scalar charts: the op classes', and the roofline's when it draws one."""
+    charts = {"opkit profiler": {
+        "op-class share of profiled self time (%)": ["Multiline", [r"opkit/profiler/[a-z]+/percent"]],
+        "op-class self time (ms / step)": ["Multiline", [r"opkit/profiler/[a-z]+/self_ms"]],
+        "step time (ms)": ["Multiline", [r"opkit/profiler/step_time_ms", r"opkit/profiler/framework_ms"]],
+    }}
+    if roofline:
+        charts["opkit roofline"] = {
+            "achieved TFLOP/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/tflops"]],
+            "achieved GB/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/gbps"]],
+            "% of the measured GEMM peak of its dtype": ["Multiline", [r"opkit/profiler/[a-z]+/pct_peak"]],
+            "% of the measured copy bandwidth": ["Multiline", [r"opkit/profiler/[a-z]+/pct_bandwidth"]],
+            "step MFU (%)": ["Multiline", [r"opkit/profiler/mfu", r"opkit/profiler/mfu_fp32",
+                                           r"opkit/profiler/mfu_bf16"]],
+        }
+    return charts
 
 
 def log_window(writer: LogWriter, report: WindowReport, step: int, *, window_no: int, partial: bool,

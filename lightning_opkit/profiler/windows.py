@@ -15,31 +15,33 @@ memory leaves ``<log dir>/traces/memory_snapshot.rank<r>.<step>.pickle``.
 from __future__ import annotations
 
 import os
-import time
 import warnings
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
-from lightning_opkit.core.checks import check_bools, check_int
+from lightning_opkit.core.checks import check_bools, check_choice, check_int
 from lightning_opkit.core.deprecations import OpkitDeprecationWarning, renamed
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.logging import traces_dir
 from lightning_opkit.core.select import find_blocks
 from lightning_opkit.core.warn import warn_once
-from lightning_opkit.profiler.log import log_window, traces_line
+from lightning_opkit.profiler.graph import draw_graph
+from lightning_opkit.profiler.log import log_window, traces_line, window_charts
 from lightning_opkit.profiler.memory import MemoryProbe, MemoryReport
 from lightning_opkit.profiler.memory_log import log_memory, memory_summary, out_of_memory_lines
 from lightning_opkit.profiler.memory_snapshot import Snapshot, out_of_memory
 from lightning_opkit.profiler.op_times import WindowReport, peak_cpu_memory, summarize
+from lightning_opkit.profiler.ranges import RANGE_KINDS, Ranges, ranges_for
 from lightning_opkit.profiler.roofline.layout_speed import conv_layout
 from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
 from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
 from lightning_opkit.profiler.session import Window, opens_window, settler, window_phase
+from lightning_opkit.profiler.traces import write_trace
 
 __all__ = ["ProfilerWindows", "window_phase"]
 
@@ -98,6 +100,14 @@ class ProfilerWindows(OpkitCallback):
         memory_snapshot: on CUDA, record the allocation history for the whole fit and, if it runs out of memory,
             dump a snapshot next to the traces (https://pytorch.org/memory_viz opens it). CUDA only: warned and
             nothing recorded elsewhere.
+        ranges: named ranges for Nsight Systems and VTune (NVTX on CUDA, ITT on a CPU): one per training step
+            (``opkit step <n>``) and one per module forward, ``<module path> [<op class>]``. ``"windows"``: during
+            each window's steps; ``"steps"``: on every training step; ``"off"``: none. Off by default: a range per
+            module forward costs host time (``benchmarks/overhead.py --suite ranges``).
+        graph: draw the model's graph in TensorBoard's Graphs tab once per fit, at its first batch, from
+            ``torch.export`` on fake tensors (``example_input_array``, else the batch, else its first element): no
+            weight, buffer or random number changes. Where export fails the summary says why. Off by default:
+            exporting a large model takes seconds to minutes.
         enabled: attach the callback; ``False`` (or its area, ``profiler``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
@@ -132,6 +142,8 @@ class ProfilerWindows(OpkitCallback):
         roofline: bool = False,
         memory_breakdown: bool = False,
         memory_snapshot: bool = False,
+        ranges: Literal["off", "windows", "steps"] = "off",
+        graph: bool = False,
         enabled: bool = True,
         log_dir: Optional[str] = None,
         memory: Optional[bool] = None,
@@ -141,7 +153,9 @@ class ProfilerWindows(OpkitCallback):
         keep_traces = _check_counts(every_n_steps, warmup, active, top_k, keep_traces)
         check_bools(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
                     with_flops=with_flops, export_trace=export_trace, gzip=gzip, all_ranks=all_ranks, roofline=roofline,
-                    span_validation=span_validation, memory_breakdown=memory_breakdown, memory_snapshot=memory_snapshot)
+                    span_validation=span_validation, memory_breakdown=memory_breakdown, memory_snapshot=memory_snapshot,
+                    graph=graph)
+        check_choice("ranges", ranges, RANGE_KINDS)
         # the roofline reads each op's shapes, dtypes and the profiler's GEMM FLOPs
         self._profile_options = dict(record_shapes=record_shapes or roofline, with_flops=with_flops or roofline,
                                      with_stack=with_stack, profile_memory=profile_memory or memory_breakdown)
@@ -157,6 +171,7 @@ class ProfilerWindows(OpkitCallback):
         self.all_ranks = all_ranks
         self.span_validation = span_validation
         self.roofline, self.memory_breakdown, self.memory_snapshot = roofline, memory_breakdown, memory_snapshot
+        self.ranges, self.graph = ranges, graph
         self._fresh()
 
     def _fresh(self) -> None:
@@ -185,6 +200,10 @@ class ProfilerWindows(OpkitCallback):
         self._trace_dir = ""
         self._charted: set[str] = set()
         self._enabled = True
+        #: the model's graph in TensorBoard: what it was drawn from, or why it was not (``graph=True``)
+        self.graph_note: str | None = None
+        #: the named ranges pushed for Nsight Systems / VTune (``ranges``), while the fit runs
+        self.range_marks: Ranges | None = None
 
     @property
     @override
@@ -222,6 +241,10 @@ class ProfilerWindows(OpkitCallback):
         if self.roofline and stage == "fit":
             self._roofline_off = False
             self._link_gbps = measure_link(trainer.strategy.root_device)  # a collective: every rank, here
+        if stage == "fit":
+            self.graph_note = None
+            self.range_marks = ranges_for(self.ranges, trainer.strategy.root_device) if self._enabled else None
+
 
     @override
     def _wind_down(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -230,6 +253,8 @@ class ProfilerWindows(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._snapshot.stop()
+        if self.range_marks is not None:
+            self.range_marks.detach()  # every range popped, every hook removed, on every path
 
     def ended_by(self, trainer: pl.Trainer, exception: BaseException) -> None:
         """The fit failed: out of memory, the summary says where it went, and a CUDA snapshot is written once."""
@@ -241,21 +266,7 @@ class ProfilerWindows(OpkitCallback):
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The op-class charts, and the roofline's where this callback draws one (empty charts are clutter)."""
-        charts = {"opkit profiler": {
-            "op-class share of profiled self time (%)": ["Multiline", [r"opkit/profiler/[a-z]+/percent"]],
-            "op-class self time (ms / step)": ["Multiline", [r"opkit/profiler/[a-z]+/self_ms"]],
-            "step time (ms)": ["Multiline", [r"opkit/profiler/step_time_ms", r"opkit/profiler/framework_ms"]],
-        }}
-        if self.roofline:
-            charts["opkit roofline"] = {
-                "achieved TFLOP/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/tflops"]],
-                "achieved GB/s per op class": ["Multiline", [r"opkit/profiler/[a-z]+/gbps"]],
-                "% of the measured GEMM peak of its dtype": ["Multiline", [r"opkit/profiler/[a-z]+/pct_peak"]],
-                "% of the measured copy bandwidth": ["Multiline", [r"opkit/profiler/[a-z]+/pct_bandwidth"]],
-                "step MFU (%)": ["Multiline", [r"opkit/profiler/mfu", r"opkit/profiler/mfu_fp32",
-                                               r"opkit/profiler/mfu_bf16"]],
-            }
-        return charts
+        return window_charts(self.roofline)
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
@@ -263,6 +274,9 @@ class ProfilerWindows(OpkitCallback):
         report = self.last_report
         oom = (out_of_memory_lines(self.memory_report, self.memory_breakdown, self.snapshot_file)
                if self._out_of_memory else [])
+        line += f"; graph: {self.graph_note}" if self.graph_note else ""
+        if self.range_marks is not None:
+            line += f"; {self.range_marks.pushed} named ranges ({self.ranges})"
         if report is None:
             return [line, *oom]
         top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
@@ -280,6 +294,8 @@ class ProfilerWindows(OpkitCallback):
         self.batches_seen += 1
         if not self._enabled:
             return
+        if self.graph and self.graph_note is None:
+            self.graph_note = draw_graph(self._writer, pl_module, batch)
         if self._window is None and opens_window(batch_no, self.every_n_steps):
             self._window = Window(self.every_n_steps, self.warmup, self.active, self._profile_options)
             if self.memory_breakdown and trainer.training:
@@ -287,10 +303,16 @@ class ProfilerWindows(OpkitCallback):
                 self._probe.begin(trainer.global_step)
         if self._window is not None:
             self._window.begin_batch(window_phase(batch_no, self.every_n_steps, self.warmup, self.active)[1])
+        marks = self.range_marks
+        if marks is not None and (self.ranges == "steps" or self._window is not None):
+            marks.attach(pl_module)
+            marks.begin_step(trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.range_marks is not None:
+            self.range_marks.end_step()
         window, settle = self._window, settler(self.batches_seen - 1, self.every_n_steps, self.warmup, self.active)
         if window is not None:
             window.end_batch(before_stop=settle)
@@ -326,6 +348,8 @@ class ProfilerWindows(OpkitCallback):
 
     def _close(self, trainer: pl.Trainer, partial: bool) -> None:
         window, self._window = self._window, None
+        if self.range_marks is not None and self.ranges == "windows":
+            self.range_marks.detach()  # between windows the model runs without a hook of ours
         if window is None:
             return
         window.stop()
@@ -355,7 +379,8 @@ class ProfilerWindows(OpkitCallback):
         export_s = None
         if self.export_trace and self._trace_dir:
             try:
-                export_s = self._export(trainer, window, step)
+                export_s = write_trace(window.prof, self._trace_dir, trainer.global_rank, step, self.gzip,
+                                       self.trace_files, self.keep_traces)
             except Exception as err:  # a trace is not worth the run: unwritable dir, full disk, ...
                 self.export_errors += 1
                 warn_once(f"ProfilerWindows: could not write the trace of the window at step {step} to"
@@ -382,17 +407,3 @@ class ProfilerWindows(OpkitCallback):
             self.last_roofline = None
             warn_once(f"ProfilerWindows: the roofline failed ({type(err).__name__}: {err}); it is off for the"
                           " rest of this run, the windows go on.", stacklevel=2)
-
-    def _export(self, trainer: pl.Trainer, window: Window, step: int) -> float:
-        os.makedirs(self._trace_dir, exist_ok=True)
-        path = os.path.join(self._trace_dir, f"rank{trainer.global_rank}.{step}.pt.trace.json" +
-                            (".gz" if self.gzip else ""))
-        t0 = time.perf_counter()
-        window.prof.export_chrome_trace(path)
-        elapsed = time.perf_counter() - t0
-        self.trace_files.append(path)
-        while self.keep_traces and len(self.trace_files) > self.keep_traces:
-            old = self.trace_files.pop(0)
-            if os.path.exists(old):
-                os.remove(old)
-        return elapsed

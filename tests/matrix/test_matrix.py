@@ -39,7 +39,8 @@ from cases import CASES, Case
 from helpers import REFUSED, SaveAt, policy_refused_under, read_events, snapshot
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from observer import GemmObserver, StepMark, event_dirs, trace_files
+from observer import GemmObserver, RangeObserver, StepMark, event_dirs, trace_files
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
 from zoo import CASES as ZOO
 from zoo import ZooModule
@@ -119,8 +120,10 @@ def _callbacks(case: Case, letters: str, backend: str = "eager", fp8: str = "") 
             made.append(NaNDetector(action="skip", **kw))
         elif letter == "W":
             # traces exported without a logger would break the no-file rule: exported where a logger takes them
+            # named ranges in each window; the graph where all five run (an export per fit: kept to those cases)
             made.append(ProfilerWindows(every_n_steps=3, warmup=0, active=1, memory_breakdown=True,
-                                        roofline=letters == "PNWCA", export_trace=case.logging == "none", **kw))
+                                        roofline=letters == "PNWCA", export_trace=case.logging == "none",
+                                        ranges="windows", graph=letters == "PNWCA", **kw))
         elif letter == "C":
             made.append(TorchCompile(backend=backend, modules=blocks if case.compile == "regional" else None,
                                      fallback=False, **kw))
@@ -144,6 +147,7 @@ def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ck
     extra = [SaveAt(SAVE, save)] if save is not None else []
     # dynamo compiles nothing under a dispatch mode: a case that compiles is watched on the file system only
     observer = GemmObserver(model) if observe and "C" not in case.active else None
+    ranges = RangeObserver() if observer is not None else None  # sys.setprofile: not beside dynamo either
     if observer is not None:
         extra.append(StepMark(observer))
     trainer = pl.Trainer(default_root_dir=str(root), max_steps=steps, accelerator="cpu", devices=1, logger=logger,
@@ -151,20 +155,37 @@ def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ck
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[*callbacks, losses, *extra],
                          **_precision(case))
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), observer or contextlib.nullcontext():
+    with contextlib.redirect_stdout(printed), observer or contextlib.nullcontext(), ranges or contextlib.nullcontext():
         trainer.fit(model, DataLoader(batches, batch_size=None), ckpt_path=ckpt)
     assert snapshot(model) == before, "the model is not as it was"
     if observe:
-        _agrees_with_the_observer(root, case, callbacks, observer, printed.getvalue())
+        _agrees_with_the_observer(root, case, callbacks, observer, printed.getvalue(), ranges)
     return model, trainer, losses.by_batch
 
 
-def _agrees_with_the_observer(root, case: Case, callbacks, observer: GemmObserver | None, printed: str) -> None:
-    """The summary's log locations, the policy table's float8 modules and the census against what was observed."""
+def _agrees_with_the_observer(root, case: Case, callbacks, observer: GemmObserver | None, printed: str,
+                              ranges: RangeObserver | None = None) -> None:
+    """The summary's log locations, graph and ranges, the policy table's float8 modules and the census against what
+    was observed."""
     if not case.active:
         return  # no opkit callback acts: no summary
     named = re.findall(r"tensorboard --logdir (\S+)", printed)
     assert sorted(named) == event_dirs(root), printed
+    windows = next((c for c in callbacks if isinstance(c, ProfilerWindows) and c.enabled), None)
+    if windows is not None and windows.graph:
+        graphs = []
+        for folder in event_dirs(root):
+            accumulator = EventAccumulator(folder)
+            accumulator.Reload()
+            graphs += [folder] if accumulator.Tags()["graph"] else []
+        drawn = "graph: drawn" in printed
+        assert drawn == bool(graphs), printed  # the summary says it is in the Graphs tab exactly when it is
+        assert drawn or "graph: not drawn (" in printed, printed  # else why not
+    if ranges is not None:
+        assert ranges.balanced()
+        pushed = windows.range_marks.pushed if windows is not None and windows.range_marks is not None else 0
+        assert len(ranges.names) == pushed
+        assert bool(pushed) == (windows is not None and windows.windows_done > 0)
     assert bool(named) != ("logs: none" in printed), printed
     said = re.search(r"(\d+) trace file\(s\)", printed)
     assert (int(said.group(1)) if said else 0) == len(trace_files(root)), printed

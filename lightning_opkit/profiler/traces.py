@@ -1,0 +1,35 @@
+"""A window's trace file: written where TensorBoard's profiler plugin reads it, the oldest dropped past a limit."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+__all__ = ["write_trace"]
+
+
+def write_trace(prof: Any, folder: str, rank: int, step: int, gzip: bool, written: list[str],
+                keep: int | None) -> float:
+    """Export ``prof``'s trace as ``<folder>/rank<rank>.<step>.pt.trace.json[.gz]``; the seconds it took.
+
+    Args:
+        prof: the window's stopped ``torch.profiler.profile``.
+        folder: the traces folder (made if missing).
+        rank: the global rank.
+        step: the global step the window ended at.
+        gzip: gzip the file (Perfetto and chrome://tracing open it).
+        written: this run's trace paths, oldest first: the new one is appended, the oldest past ``keep`` removed.
+        keep: how many of this run's traces to keep; ``None``: all.
+    """
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank}.{step}.pt.trace.json" + (".gz" if gzip else ""))
+    t0 = time.perf_counter()
+    prof.export_chrome_trace(path)
+    elapsed = time.perf_counter() - t0
+    written.append(path)
+    while keep and len(written) > keep:
+        old = written.pop(0)
+        if os.path.exists(old):
+            os.remove(old)
+    return elapsed
