@@ -1,4 +1,9 @@
-"""Why a step went non-finite: replays with the culprit in fp32 and as is tell precision from data or model faults.
+"""Why a step went non-finite (or spiked): replays as is and with the culprit in fp32 tell the cause.
+
+One ladder, :func:`climb`, for NaN faults and loss spikes alike, always in this order: the step replayed **as is**
+(not reproduced: ``transient``), then, where the step runs in a lower precision somewhere, with the culprit **in
+fp32** (gone: ``precision``), else ``data_or_model``. A NaN fault counts every step as lowered (the fp32 replay is
+what tells the reader "in fp32 too"); a spike only a step that runs in 16-bit somewhere.
 
 - ``precision``: finite with the culprit in fp32, non-finite as is (a 16-bit overflow or underflow).
 - ``data_or_model``: non-finite in fp32 too (the batch, a log of zero, a learning rate that diverged).
@@ -21,7 +26,30 @@ from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.report import Cause, Origin, not_reproduced
 
-__all__ = ["diagnose", "replay_in"]
+__all__ = ["ReplayFailed", "climb", "diagnose", "replay_in"]
+
+
+class ReplayFailed(Exception):
+    """A cause replay could not run: the fault can be neither seen nor ruled out."""
+
+
+def climb(reproduced: Callable[[bool], bool], lowered: bool) -> str:
+    """The cause ladder: ``"transient"``, ``"precision"`` or ``"data_or_model"``, from at most two replays.
+
+    Args:
+        reproduced: replays the step (``True``: the culprit in fp32; ``False``: as it ran) and says whether the fault
+            came back; raises :class:`ReplayFailed` when the replay could not run.
+        lowered: the step runs in a lower precision somewhere (else the fp32 replay would repeat the first).
+
+    Example:
+        >>> climb(lambda fp32: not fp32, lowered=True), climb(lambda fp32: True, lowered=False)
+        ('precision', 'data_or_model')
+    """
+    if not reproduced(False):
+        return "transient"
+    if lowered and not reproduced(True):
+        return "precision"
+    return "data_or_model"
 
 #: ``(autocast on?) -> compute_loss``: the step's loss, replayed on the micro-batch
 StepLoss = Callable[[bool], Callable[[], Tensor | None]]
@@ -48,17 +76,23 @@ def diagnose(step_loss: StepLoss, model: nn.Module, rng: Any, found: Origin, nam
     path = found.module
     culprit = named.get(path) if path else None
     where = f"module {path!r}" if culprit is not None else "the whole step"
-    again, failure = agree(_non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=True))
-    if failure is None and not again:
-        again, failure = agree(_non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=False))
-        if failure is None and not again:
-            return not_reproduced(compiled, by_replay_as_is=True)
-        if failure is None:
-            fix = (f"PrecisionPolicy(overrides={{{path!r}: 'fp32'}})" if culprit is not None
-                   else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")
-            return Cause("precision", f"finite with {where} in fp32, non-finite as is: try {fix}")
-    if failure is not None:
-        return Cause("unknown", f"a replay to tell the cause failed ({failure}), so it was not observed")
+
+    def reproduced(fp32: bool) -> bool:
+        again, failure = agree(_non_finite_again(step_loss, model, rng, found, culprit, policies, fp32=fp32))
+        if failure is not None:
+            raise ReplayFailed(failure)
+        return bool(again)
+
+    try:
+        cause = climb(reproduced, lowered=True)
+    except ReplayFailed as failed:
+        return Cause("unknown", f"a replay to tell the cause failed ({failed}), so it was not observed")
+    if cause == "transient":
+        return not_reproduced(compiled, by_replay_as_is=True)
+    if cause == "precision":
+        fix = (f"PrecisionPolicy(overrides={{{path!r}: 'fp32'}})" if culprit is not None
+               else "running the model in fp32 (Trainer(precision='32-true'), no PrecisionPolicy lowering)")
+        return Cause("precision", f"finite with {where} in fp32, non-finite as is: try {fix}")
     return Cause("data_or_model", f"non-finite with {where} in fp32 too: check batch {batch_idx}'s data and the"
                                   f" model's numerics (learning rate, log/division of zero, initialization)")
 

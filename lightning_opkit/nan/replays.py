@@ -229,7 +229,7 @@ class Replays:
 
     def cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule, micro: MicroBatch, origin: Origin,
               agree: Callable[[Any], Any]) -> Cause:
-        """Replay with the culprit in fp32, then as is: see :func:`~lightning_opkit.nan.cause.diagnose`."""
+        """Replay as is, then with the culprit in fp32: see :func:`~lightning_opkit.nan.cause.diagnose`."""
         policies: list[RunsModulesInDtype] = list(offering(trainer, RunsModulesInDtype))  # a policy runs it in fp32
         return diagnose(lambda autocast: self.step_loss(trainer, pl_module, micro, autocast), pl_module, micro.rng,
                         origin, dict(pl_module.named_modules()), policies, micro.batch_idx, agree,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_opkit.nan.cause import replay_in
+from lightning_opkit.nan.cause import climb, replay_in
 from lightning_opkit.nan.report import Cause, Origin
 from lightning_opkit.nan.spike import DEPARTS, SpikeWatch, departures, log_loss
 
@@ -142,13 +142,20 @@ def spike_cause(case: SpikeCase, again_in: Callable[[bool], float], lowered: boo
         agree: the spiking rank's value, on every rank.
         where: the first departing module in words, for the advice.
     """
-    again = agree(again_in(False))
-    if again <= case.threshold:
+    scores: dict[bool, float] = {}
+
+    def reproduced(fp32: bool) -> bool:
+        scores[fp32] = agree(again_in(fp32))
+        return scores[fp32] > case.threshold
+
+    cause = climb(reproduced, lowered)
+    if cause == "transient":
         eager = " an eager" if compiled else " a"
         return Cause("transient", f"not reproduced by{eager} replay of the same batch on the same weights (scored"
-                                  f" {again:.1f} against {case.threshold:g}): silent data corruption (a flipped bit in"
-                                  " one activation) or non-determinism; if it keeps to one rank, suspect that device")
-    if lowered and agree(again_in(True)) <= case.threshold:
+                                  f" {scores[False]:.1f} against {case.threshold:g}): silent data corruption (a flipped"
+                                  " bit in one activation) or non-determinism; if it keeps to one rank, suspect that"
+                                  " device")
+    if cause == "precision":
         return Cause("precision", f"reproduced as is, calm with the step in fp32: a 16-bit overflow or loss of"
                                   f" precision ({where}); run it in fp32 (PrecisionPolicy(overrides=...)) or train in"
                                   " bf16 or fp32")

@@ -14,7 +14,6 @@ tolerance wins; one within :data:`TIE` of it that is closer to fp32 wins the tie
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from lightning_opkit.opclass import GEMM_CLASSES, OP_CLASSES
 from lightning_opkit.precision.decide import TIE
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.results import Measurement
-from lightning_opkit.precision.runner import StepRunner, device_of, grad_cosine, loss_change
+from lightning_opkit.precision.runner import StepRunner, device_of, grad_cosine, loss_change, step_error
 
 __all__ = ["SENSITIVE_CLASSES", "StepChoice", "TableRun", "candidate_tables", "choose_table",
            "first_rows"]
@@ -78,10 +77,8 @@ class TableRun:
 
     @property
     def error(self) -> float:
-        """How far from fp32 as one number: the larger of the loss change and ``1 - grad cosine``."""
-        if self.loss_change is None:
-            return math.inf
-        return max(self.loss_change, 0.0 if self.grad_cosine is None else 1.0 - self.grad_cosine)
+        """How far from fp32 as one number (:func:`~lightning_opkit.precision.runner.step_error`)."""
+        return step_error(self.loss_change, self.grad_cosine)
 
     def within(self, tolerance: float) -> bool:
         """Whether it ran and stays within ``tolerance`` (loss change and ``1 - grad cosine``)."""

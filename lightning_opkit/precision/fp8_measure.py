@@ -19,7 +19,6 @@ understate float8's gain (a conservative choice, never a generous one).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from lightning_opkit.core.timing import per_call_seconds, sync
 from lightning_opkit.core.trial import Trial
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.fp8 import FP8, Float8Linears, gemm_dims, gemm_function, recipe_problem, refusal
-from lightning_opkit.precision.runner import StepRunner, grad_cosine, loss_change
+from lightning_opkit.precision.runner import StepRunner, grad_cosine, loss_change, step_error
 
 __all__ = ["Fp8Ask", "Fp8Measurements", "Fp8Row", "measure_fp8"]
 
@@ -104,10 +103,8 @@ class Fp8Row:
 
     @property
     def error(self) -> float:
-        """The larger of the loss change and ``1 - grad cosine`` (``inf`` if not measured)."""
-        if self.loss_change is None:
-            return math.inf
-        return max(self.loss_change, 0.0 if self.grad_cosine is None else 1.0 - self.grad_cosine)
+        """How far from the reference step as one number (:func:`~lightning_opkit.precision.runner.step_error`)."""
+        return step_error(self.loss_change, self.grad_cosine)
 
     def why(self) -> str:
         """The evidence in words: ``"1.62x faster than bf16, loss change 2.1e-04, grad cosine 0.99981"``."""

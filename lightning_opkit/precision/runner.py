@@ -20,7 +20,7 @@ from lightning_opkit.precision.dtypes import GOVERNED, NEVER_CAST
 from lightning_opkit.precision.function_mode import ModeState, PolicyMode, hold_rnn_input_casts
 from lightning_opkit.precision.oplog import OpLog
 
-__all__ = ["FP32_TABLE", "StepRunner", "grad_cosine", "loss_change", "record_ops"]
+__all__ = ["FP32_TABLE", "StepRunner", "grad_cosine", "loss_change", "record_ops", "step_error"]
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -130,3 +130,18 @@ def grad_cosine(grads: list[Tensor | None], ref: list[Tensor | None]) -> float |
     norm_r = sum(r.square().sum() for _, r in pairs)
     value = float(dot / (norm_g.sqrt() * norm_r.sqrt()).clamp_min(1e-30))  # type: ignore[union-attr]
     return value if math.isfinite(value) else -1.0
+
+
+def step_error(loss_change: float | None, grad_cosine: float | None) -> float:
+    """How far a step is from fp32's as one number: the larger of the loss change and ``1 - grad cosine``.
+
+    The figure every whole-step comparison (a candidate table, a module in float8) holds against the tolerance;
+    ``inf`` where the step was not measured.
+
+    Example:
+        >>> step_error(2e-4, 0.9999), step_error(None, None)
+        (0.0002, inf)
+    """
+    if loss_change is None:
+        return math.inf
+    return max(loss_change, 0.0 if grad_cosine is None else 1.0 - grad_cosine)
