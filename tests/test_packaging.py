@@ -4,6 +4,7 @@ and a wheel that installs beside the torch a user already has."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -78,24 +79,28 @@ def _run(*args, cwd):
     return proc.stdout
 
 
-@pytest.mark.slow
-def test_the_wheel_installs_beside_an_installed_torch_leaving_it_untouched_and_trains(tmp_path):
-    """Built as a user's pip would get it (wheel and sdist, twine check), then installed into a fresh environment that
-    already has a torch, lightning and the rest (this environment's, seen through a path file, less opkit itself):
-    pip resolves with no index at all, so it can only keep what is there; torch is the same before and after, and a
-    3-step fit with all five callbacks runs from the installed wheel."""
+#: a Python whose environment holds a torch other than the pin's build (a CUDA wheel from PyPI, say): set
+#: OPKIT_OTHER_TORCH_PYTHON, or keep one at /work/venvs/torch-*/bin/python as docs/versions.md describes
+OTHER_TORCH = os.environ.get("OPKIT_OTHER_TORCH_PYTHON") or next(
+    (str(p) for p in sorted(Path("/work/venvs").glob("torch-*/bin/python"))), None)
+
+
+def _build(tmp_path) -> Path:
     dist = tmp_path / "dist"
     _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, ROOT, cwd=tmp_path)
     built = sorted(p.name for p in dist.iterdir())
     assert built == [f"lightning_opkit-{lightning_opkit.__version__}-py3-none-any.whl",
                      f"lightning_opkit-{lightning_opkit.__version__}.tar.gz"]
     assert "PASSED" in _run(sys.executable, "-m", "twine", "check", *dist.iterdir(), cwd=tmp_path)
+    return dist
 
-    # the user's environment: every installed package of this one but opkit (a farm of links, read through a .pth)
+
+def _their_environment(tmp_path, site_packages: Path) -> tuple[Path, Path]:
+    """A fresh venv that sees every package of ``site_packages`` but opkit (links, read through a .pth): the user's
+    environment, untouched by the test; its python and its own site-packages."""
     theirs = tmp_path / "theirs"
     theirs.mkdir()
-    here = Path(next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir()))
-    for entry in here.iterdir():
+    for entry in site_packages.iterdir():
         if "opkit" not in entry.name:
             (theirs / entry.name).symlink_to(entry)
     venv_dir = tmp_path / "venv"
@@ -103,20 +108,53 @@ def test_the_wheel_installs_beside_an_installed_torch_leaving_it_untouched_and_t
     python = venv_dir / "bin" / "python"
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).strip())
     (site / "theirs.pth").write_text(str(theirs) + "\n")
-    pip = [python, "-m", "pip", "--disable-pip-version-check"]  # pip is among their packages
+    return python, site
+
+
+def _install_and_train(tmp_path, python: Path, site: Path, dist: Path, index: bool) -> list[str]:
+    """Install the wheel with pip (``index``: missing dependencies from the registry; else none may be missing), torch
+    the same before and after by pip's own report and freeze, then a 3-step fit with all five; what pip added."""
+    pip = [python, "-m", "pip", "--disable-pip-version-check"]
+    source = ["--find-links", dist] + ([] if index else ["--no-index"])
     freeze = [*pip, "freeze", "--all"]
     torch_before = [line for line in _run(*freeze, cwd=tmp_path).splitlines() if line.startswith("torch==")]
-    assert torch_before == [f"torch=={torch.__version__}"]
-
+    assert len(torch_before) == 1
     report = tmp_path / "report.json"
-    _run(*pip, "install", "--dry-run", "--no-index", "--find-links", dist, "--report", report, "lightning_opkit",
-         cwd=tmp_path)
+    _run(*pip, "install", "--dry-run", *source, "--report", report, "lightning_opkit", cwd=tmp_path)
     would = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
-    assert would == ["lightning_opkit"]  # nothing else, torch least of all
-    _run(*pip, "install", "--no-index", "--find-links", dist, "lightning_opkit", cwd=tmp_path)
+    assert "lightning_opkit" in would
+    assert "torch" not in {name.lower() for name in would}  # pip keeps the torch that is there
+    _run(*pip, "install", *source, "lightning_opkit", cwd=tmp_path)
     torch_after = [line for line in _run(*freeze, cwd=tmp_path).splitlines() if line.startswith("torch==")]
     assert torch_after == torch_before
-
     out = _run(python, "-c", _FIT, cwd=tmp_path)
     assert f"FROM {site}" in out  # the installed wheel, not this checkout
     assert "STEPS 3" in out
+    return would
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_beside_an_installed_torch_leaving_it_untouched_and_trains(tmp_path):
+    """Built as a user's pip would get it (wheel and sdist, twine check), then installed into a fresh environment that
+    already has a torch, lightning and the rest (this environment's, seen through a path file, less opkit itself):
+    pip resolves with no index at all, so it can only keep what is there; torch is the same before and after, and a
+    3-step fit with all five callbacks runs from the installed wheel."""
+    dist = _build(tmp_path)
+    here = Path(next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir()))
+    python, site = _their_environment(tmp_path, here)
+    assert _install_and_train(tmp_path, python, site, dist, index=False) == ["lightning_opkit"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(OTHER_TORCH is None, reason="no environment with another torch here (OPKIT_OTHER_TORCH_PYTHON)")
+def test_the_wheel_installs_beside_another_torch_build_leaving_it_untouched_and_trains(tmp_path):
+    """The same, beside a torch other than the pin's (on this machine 2.14.1+cu130, PyPI's CUDA wheel): pip fetches
+    what that environment lacks (lightning, tensorboard, ...) from the registry and leaves its torch as it is."""
+    dist = _build(tmp_path)
+    their_site = Path(_run(OTHER_TORCH, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                           cwd=tmp_path).strip())
+    other = _run(OTHER_TORCH, "-c", "import torch; print(torch.__version__)", cwd=tmp_path).strip().splitlines()[-1]
+    assert other != torch.__version__
+    python, site = _their_environment(tmp_path, their_site)
+    would = _install_and_train(tmp_path, python, site, dist, index=True)
+    assert "lightning" in {name.lower() for name in would}  # it had no lightning: the registry's, beside its torch
