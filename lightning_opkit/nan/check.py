@@ -15,7 +15,7 @@ from lightning_opkit.nan.report import Origin
 from lightning_opkit.nan.spike import log_loss
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["Checked", "all_finite", "bad_gradient_shard", "check", "check_step", "flags"]
+__all__ = ["Checked", "OUTCOMES", "all_finite", "bad_gradient_shard", "check", "check_step", "flags", "outcome"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -53,6 +53,35 @@ class Checked:
     local: Tensor | None = None
     norms: Tensor | None = None
     dead: bool = False
+
+
+#: what a checked step turned out to be, the one decision NaNDetector's hook dispatches on
+OUTCOMES = ("healthy", "spike", "scaler overflow", "non-finite")
+
+
+def outcome(checked: Checked, spiked: str | None, scaler: bool, forward_fault: Callable[[], bool]) -> str:
+    """What a checked step is, one of :data:`OUTCOMES`, from what its check found.
+
+    Args:
+        checked: the check's findings.
+        spiked: what spiked (``"loss"``, ``"gradient"``), scored on a finite step only; ``None``: nothing.
+        scaler: a GradScaler scales the loss (fp16 under ``16-mixed``).
+        forward_fault: replays the forwards and says whether a module's output went non-finite; asked only for
+            non-finite gradients beside a finite loss under a GradScaler.
+
+    Example:
+        >>> outcome(Checked(False, True), None, scaler=True, forward_fault=lambda: False)
+        'scaler overflow'
+        >>> outcome(Checked(False, True), None, scaler=False, forward_fault=lambda: False)
+        'non-finite'
+    """
+    if checked.loss_bad or checked.grad_bad:
+        # fp16 loss scaling overflows the backward on purpose (the scaler skips that step and lowers the scale); loss
+        # scaling cannot make a forward activation non-finite, so such a step is a fault of its own
+        if scaler and not checked.loss_bad and not forward_fault():
+            return "scaler overflow"
+        return "non-finite"
+    return "healthy" if spiked is None else "spike"
 
 
 def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,

@@ -27,7 +27,7 @@ from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.nan.actions import Actions, pinner
-from lightning_opkit.nan.check import check, flags
+from lightning_opkit.nan.check import check, flags, outcome
 from lightning_opkit.nan.dead import DeadWatch
 from lightning_opkit.nan.device import DeviceDecision, check_device_decision
 from lightning_opkit.nan.log import write_dead, write_report
@@ -322,31 +322,29 @@ class NaNDetector(OpkitCallback):
         checked = check(*self._inputs(trainer, pl_module, pending, optimizer))
         if checked.dead:
             self._name_dead(trainer, pl_module)
-        loss_bad, grad_bad = checked.loss_bad, checked.grad_bad
         scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
-        spiked = None if loss_bad or grad_bad else self._spikes.which_spiked(*scores)
-        if spiked is not None:
+        spiked = None if checked.loss_bad or checked.grad_bad else self._spikes.which_spiked(*scores)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        kind = outcome(checked, spiked, scaler is not None,
+                       lambda: self._replays.forward_fault(trainer, pl_module, pending))
+        if kind == "spike" and spiked is not None:
             report = self._replays.spike_report(trainer, pl_module, self._spikes, pending, checked, spiked, optimizer)
             self._actions.act(trainer, pl_module, report)
-            return
-        if not (loss_bad or grad_bad):
+        elif kind == "healthy":
             self._actions.good_step()
             self._scale_watch.healthy()
             if self._spikes.watch is not None:
                 self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, scores)
-            return
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and grad_bad and not loss_bad and not self._replays.forward_fault(trainer, pl_module,
-                                                                                                 pending):
-            # fp16 loss scaling overflows on purpose; the GradScaler skips that step and lowers the scale. Its scale
-            # is read (a sync) only on such a step, already found non-finite.
+        elif kind == "scaler overflow" and scaler is not None:
+            # the GradScaler skips the step and lowers its scale; the scale is read (a sync) only on such a step
             self._skipper.state = BatchState.SCALER_SKIP
             scale = float(scaler.get_scale())
             if self._scale_watch.skipped_step(scale):
                 self._actions.collapsed(trainer, pl_module, self._replays.collapse_report(
                     trainer, pl_module, pending, scale, self._scale_watch.describe(scale)))
-            return
-        self._actions.act(trainer, pl_module, self._replays.report(trainer, pl_module, pending, loss_bad, optimizer))
+        else:
+            self._actions.act(trainer, pl_module, self._replays.report(trainer, pl_module, pending, checked.loss_bad,
+                                                                       optimizer))
 
     def _inputs(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: list[MicroBatch],
                 optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[Tensor], torch.device,

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from lightning_opkit.nan.check import all_finite, check, flags
+from lightning_opkit.nan.check import OUTCOMES, Checked, all_finite, check, flags, outcome
 
 
 def test_a_finite_step_flags_nothing_and_hands_on_its_log_values():
@@ -33,3 +33,21 @@ def test_a_finite_gradient_whose_norm_overflows_is_not_a_fault():
 def test_all_finite_over_tensors_of_several_dtypes():
     assert bool(all_finite([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)]))
     assert not bool(all_finite([torch.ones(2), torch.tensor([float("-inf")], dtype=torch.half)]))
+
+
+def test_outcome_is_the_one_decision_of_a_checked_step():
+    asked = []
+
+    def forward_fault(answer):
+        return lambda: asked.append(answer) or answer
+
+    healthy, nan_loss, nan_grads = Checked(False, False), Checked(True, False), Checked(False, True)
+    assert outcome(healthy, None, scaler=False, forward_fault=forward_fault(False)) == "healthy"
+    assert outcome(healthy, "loss", scaler=False, forward_fault=forward_fault(False)) == "spike"
+    assert outcome(nan_loss, None, scaler=True, forward_fault=forward_fault(False)) == "non-finite"
+    assert asked == []  # the forward replays are asked for nothing but non-finite gradients under a scaler
+    assert outcome(nan_grads, None, scaler=True, forward_fault=forward_fault(False)) == "scaler overflow"
+    assert outcome(nan_grads, None, scaler=True, forward_fault=forward_fault(True)) == "non-finite"
+    assert outcome(nan_grads, None, scaler=False, forward_fault=forward_fault(True)) == "non-finite"
+    assert asked == [False, True]
+    assert set(OUTCOMES) == {"healthy", "spike", "scaler overflow", "non-finite"}
