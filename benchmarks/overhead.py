@@ -266,6 +266,25 @@ def suite_ranges(args) -> None:
     inside, step = hook_cost(lambda: ProfilerWindows(every_n_steps=10_000, ranges="steps"), args.steps, args.skip)
     print(f"  time inside ProfilerWindows' hooks (the step ranges): {inside:.3f} ms/step = {100 * inside / step:.2f}%"
           f" of a {step:.2f} ms step; the module ranges' hooks run inside the forward, in the ratio above")
+    # the module ranges, free of run-to-run noise: the same forward + backward with and without them, alternating
+    from lightning_opkit.profiler.ranges import Ranges, range_functions
+
+    model, (images, labels) = vit(), load_digits_tensors()
+    x, y = images[:64], labels[:64]
+    ranges = Ranges(*range_functions("cpu"))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(40 * args.reps):
+        marked = rep % 2 == 1
+        if marked:
+            ranges.attach(model)
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        times[marked].append(time.perf_counter() - t0)
+        ranges.detach()
+    plain, marked = statistics.median(times[False][2:]), statistics.median(times[True][2:])
+    per_forward = ranges.pushed / (len(times[True]))
+    print(f"  forward + backward, bare loop: {1e3 * plain:.2f} ms, with the module ranges {1e3 * marked:.2f} ms"
+          f" (ratio {marked / plain:.3f}; {per_forward:.0f} ranges a forward)")
 
 
 def suite_profiler(args) -> None:
