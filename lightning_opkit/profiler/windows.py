@@ -245,7 +245,6 @@ class ProfilerWindows(OpkitCallback):
             self.graph_note = None
             self.range_marks = ranges_for(self.ranges, trainer.strategy.root_device) if self._enabled else None
 
-
     @override
     def _wind_down(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(trainer, partial=True)
