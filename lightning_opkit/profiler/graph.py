@@ -78,6 +78,9 @@ def draw_graph(writer: Any, model: nn.Module, batch: Any) -> str:
     """
     if writer is None or not writer.tensorboard_dirs:
         return "not drawn (no TensorBoard logger)"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        # FSDP2's and tensor parallel's hooks would run their collectives in the export, on this rank alone
+        return "not drawn (sharded parameters: FSDP2 or tensor parallel; draw it from an unsharded run)"
     graph, note = export_graph(model, batch)
     if graph is None:
         return f"not drawn ({note})"

@@ -8,7 +8,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from examples.vit import ViTClassifier, load_digits_tensors
-from lightning_opkit.profiler.graph import example_inputs, export_graph
+from lightning_opkit.core.logging import LogWriter
+from lightning_opkit.profiler.graph import draw_graph, example_inputs, export_graph
 from lightning_opkit.profiler.windows import ProfilerWindows
 
 
@@ -91,3 +92,26 @@ def test_example_input_array_is_tried_first():
     graph, what = export_graph(model, None)
     assert what == "example_input_array"
     assert {n.op for n in graph.node} == {"Input", "Parameter", "aten.linear.default", "Output"}
+
+
+def test_a_sharded_model_is_not_exported_on_one_rank(tmp_path):
+    """FSDP2's hooks all-gather in the forward: an export on rank zero alone would hang the others."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    writer = LogWriter(pl.Trainer(logger=False), log_dir=str(tmp_path))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert draw_graph(writer, model, torch.ones(2, 8)).startswith("not drawn (sharded parameters")
+    finally:
+        dist.destroy_process_group()
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert draw_graph(writer, plain, torch.ones(2, 8)) == "drawn from the batch (Graphs tab)"
+    writer.close()
+    (logs,) = event_dirs(tmp_path)
+    accumulator = EventAccumulator(logs)
+    accumulator.Reload()
+    assert {n.name for n in accumulator.Graph().node} >= {"0/linear", "0/weight", "2/weight", "output"}
