@@ -3,6 +3,7 @@ import sys
 
 import yaml
 from helpers import read_events
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from examples.train import main  # noqa: E402
@@ -66,6 +67,15 @@ def test_config_trains_with_every_callback_and_logs(tmp_path, recwarn):
     assert set(opkit[0].decisions) == {"matmul", "conv", "norm", "softmax", "activation", "loss", "reduction",
                                        "pointwise"}
     assert DigitsDataModule().batch_size == 64
+    # the Graphs tab shows the ViT, module by module (TensorBoard's own reader), and the windows pushed named ranges
+    assert opkit[2].graph
+    assert opkit[2].ranges == "windows"
+    (logs,) = {d for d, _, files in os.walk(tmp_path) for f in files if f.startswith("events.out.tfevents.")}
+    accumulator = EventAccumulator(logs)
+    accumulator.Reload()
+    nodes = {node.name for node in accumulator.Graph().node}
+    assert {"model/blocks/0/attn/qkv/linear", "model/blocks/3/mlp/0/linear", "model/head/linear"} <= nodes
+    assert opkit[2].range_marks.pushed > 0
 
 
 def test_short_class_names_and_a_dtype_typo_fails_at_parse_time(tmp_path, capsys):

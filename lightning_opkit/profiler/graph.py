@@ -109,6 +109,7 @@ def graph_def(program: Any) -> Any:
     signature = program.graph_signature
     owned = {**getattr(signature, "inputs_to_parameters", {}), **getattr(signature, "inputs_to_buffers", {})}
     names: dict[str, str] = {}
+    taken: dict[str, int] = {}
     nodes = []
     for node in program.graph.nodes:
         if node.op == "placeholder":
@@ -119,10 +120,12 @@ def graph_def(program: Any) -> Any:
         else:
             stack = node.meta.get("nn_module_stack") or {}
             scope = next(reversed(stack.values()))[0].replace(".", "/") + "/" if stack else ""
-            target = str(getattr(node.target, "__name__", node.target))
-            name, op = f"{scope}{node.name}", str(node.target)
-            if target.startswith("aten."):
-                op = target
+            # named within its module, as a reader counts: qkv/linear, attn/matmul, attn/matmul_1 (export's own
+            # names count across the whole model: linear_12)
+            base = _aten_name(node.target)
+            seen = taken.setdefault(scope + base, 0)
+            taken[scope + base] = seen + 1
+            name, op = f"{scope}{base}" + (f"_{seen}" if seen else ""), str(node.target)
         names[node.name] = name
         attr = {}
         value = node.meta.get("val")
