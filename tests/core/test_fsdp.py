@@ -49,3 +49,26 @@ def test_reshard_puts_back_what_a_forward_alone_left_gathered(sharded):
     reshard(sharded)
     assert isinstance(sharded[2].weight, DTensor)
     assert isinstance(sharded[0].weight, DTensor)
+
+
+def test_the_private_fsdp2_and_torchao_fields_opkit_reads_and_writes_are_where_it_looks(sharded):
+    """core/fsdp.py and precision/fp8_gather.py reach past FSDP2's and torchao's walls: on a real FSDP2 model and a
+    real torchao weight wrapper, every private name they use is there (a release that moves one fails here first)."""
+    group = sharded._get_fsdp_state()._fsdp_param_group
+    fsdp_param = group.fsdp_params[0]
+    for name in ("_sharded_param_data", "_init_extensions", "all_gather_outputs", "_unsharded_inner_tensors",
+                 "sharded_param", "free_unsharded_param"):
+        assert hasattr(fsdp_param, name), name
+    assert isinstance(fsdp_param.sharded_param, DTensor)
+    assert isinstance(fsdp_param.sharded_param._local_tensor, torch.Tensor)
+    torchao = pytest.importorskip("torchao")  # the fp8 extra
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lightning_opkit.precision.fp8 import gemm_function
+
+    _, _, mm_config = gemm_function("tensorwise")  # as fp8_gather builds its wrapper
+    wrapped = WeightWithDynamicFloat8CastTensor(torch.ones(4, 4), mm_config, torch.float8_e4m3fn)
+    assert torch.equal(wrapped._tensor, torch.ones(4, 4))  # core/ranks.local unwraps it there
+    assert hasattr(wrapped, "_precomputed_scale")  # fp8_gather sets one scale per step there
+    assert hasattr(wrapped, "fsdp_pre_all_gather")
+    assert torchao.__version__
