@@ -4,6 +4,7 @@ How a step runs:
 
 - :mod:`.policy`: :class:`PrecisionPolicy`, the Lightning callback; :mod:`.config` checks its arguments and builds
   the starting table (op class -> dtype).
+- :mod:`.schedule`: when the policy measures (the first batch, every N steps, a checkpoint's plan instead).
 - :mod:`.governor`: wraps each step method; a step runs under the policy's mode, under plain autocast (when auto
   chose it, or the table is exactly what autocast does), or as written (fp32 everywhere on an fp32 model).
 - :mod:`.function_mode`: the ``TorchFunctionMode`` that casts each op's inputs to its class's (or its module's)

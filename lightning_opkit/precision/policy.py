@@ -55,6 +55,7 @@ from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
 from lightning_opkit.precision.pin import labelled_overrides, pinned_arguments, plan_from_state, plan_state
 from lightning_opkit.precision.results import PrecisionMeasurements
+from lightning_opkit.precision.schedule import MeasureSchedule
 from lightning_opkit.precision.speed_check import check_speed, lowered
 from lightning_opkit.precision.view import (
     CHARTS,
@@ -200,10 +201,9 @@ class PrecisionPolicy(OpkitCallback):
         #: modules pinned at run time (``pin``, a NaN repair) -> dtype
         self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
-        self._measured_at: int | None = None
-        #: under ``rules="auto"``: the plan in force (checkpointed), and one a checkpoint brought (run, not measured)
+        self._schedule = MeasureSchedule(self.auto, measure, remeasure_every_n_steps)
+        #: under ``rules="auto"``: the plan in force (checkpointed)
         self._plan: Plan | None = None
-        self._restored: Plan | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
 
     @property
@@ -316,7 +316,8 @@ class PrecisionPolicy(OpkitCallback):
         self._open_writer(trainer, stage)
         self._facts = facts_of(trainer)
         self._record_facts()
-        self._measured_at, self._governor.passthrough, self._governor.autocast = None, False, None
+        self._schedule.start()
+        self._governor.passthrough, self._governor.autocast = False, None
         self._governor.express({} if self.auto else self.table, pl_module, bool(matched or self.fp8.converted))
         self._auto.reset()
         self._log_table(trainer.global_step)
@@ -364,7 +365,7 @@ class PrecisionPolicy(OpkitCallback):
         if self._facts is not None:
             record_facts(self._facts, self.table, self.decisions, self.measurements,
                          ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") +
-                         f" at step {self._measured_at}", self._auto.fp8 if self.auto else None)
+                         f" at step {self._schedule.measured_at}", self._auto.fp8 if self.auto else None)
 
     # the decision kept across a resume
 
@@ -376,7 +377,7 @@ class PrecisionPolicy(OpkitCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = plan_from_state(state_dict["plan"], self.overrides) if "plan" in state_dict else None
+        self._schedule.restored = plan_from_state(state_dict["plan"], self.overrides) if "plan" in state_dict else None
 
     def decision_as_arguments(self) -> str | None:
         """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""
@@ -395,25 +396,18 @@ class PrecisionPolicy(OpkitCallback):
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step, n = trainer.global_step, self.census_every_n_steps
         census_step = self._governor.census_step = n > 0 and step % n == 0
-        if self._auto.trialing and self._measured_at != step:
+        if self._auto.trialing and self._schedule.measured_at != step:
             plan = self._auto.begin_trial_step(pl_module.device, census_step)
             if plan is not None:
                 self._apply(pl_module, plan)
-        if self._measured_at == step:
-            return  # gradient accumulation: one measurement per optimizer step
-        if self.auto and self._measured_at is None and self._restored is not None:
-            self._measured_at, plan, self._restored = step, self._restored, None
-            self._apply(pl_module, plan)  # a resumed fit runs the checkpoint's decision: nothing measured again
+        what = self._schedule.at(step)
+        if what == "restore":
+            self._apply(pl_module, self._schedule.take_restored())  # a resumed fit runs the checkpoint's decision
             self._log_table(step)
-            return
-        every = self.remeasure_every_n_steps
-        if self.auto and (self._measured_at is None or (every and step % every == 0)):
-            self._measured_at = step
+        elif what == "measure":
             self._measure_and_decide(trainer, pl_module, batch, batch_idx)
-        elif not self.auto and self.measure and self._measured_at is None:
-            self._measured_at = step
-            if lowered(self.table):
-                self._governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
+        elif what == "speed check" and lowered(self.table):
+            self._governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
 
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                             batch_idx: int) -> None:

@@ -19,7 +19,7 @@ class Changing(Injected):
     """Measures "pointwise is slower in bf16" first, "faster" at the re-measurement."""
 
     def _measure(self, model, batch, loss_fn, **kwargs):
-        self.rows = [_row("pointwise", speed=2.0 if self._measured_at == 0 else 0.3)]
+        self.rows = [_row("pointwise", speed=2.0 if self._schedule.measured_at == 0 else 0.3)]
         return super()._measure(model, batch, loss_fn, **kwargs)
 
 
