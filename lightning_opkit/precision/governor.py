@@ -178,10 +178,10 @@ class StepGovernor:
         """Whether this step runs under the policy's mode (else the model runs as written, or under autocast)."""
         if self._overriding or self.pinned or (is_training and self.speed_log is not None):
             return True  # a NaN cause replay's fp32 region, a pinned module, the speed check's recorded step
-        if self.autocast is not None or self.expressed is not None:
+        if self.expressed is not None or (self.autocast is not None and self.passthrough):
             return is_training and self.census_step  # census steps count what autocast ran
         if not self.passthrough:
-            return True  # a table to apply
+            return True  # a table to apply, or module overrides (on top of plain autocast too)
         return bool(self.state.autocast_devices)  # fp32 decided, but the Trainer's autocast would lower ops
 
     def wrap(self, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:

@@ -112,3 +112,15 @@ def test_the_policy_runs_an_autocast_table_as_autocast_itself_with_the_same_nume
     plain, plain_observer = fit("bf16-mixed", [])
     assert observer.records == plain_observer.records
     assert [loss.item() for loss in governed.losses] == [loss.item() for loss in plain.losses]
+
+
+def test_plain_autocast_chosen_by_auto_still_runs_the_mode_for_a_module_override():
+    """auto chose plain autocast and an override was added (a resumed fit, a repair's advice): the override needs the
+    mode on every step, under that autocast."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    table = dict.fromkeys(GOVERNED, "keep")
+    for overrides, runs in ((False, (0, True, torch.bfloat16)), (True, (1, True, torch.bfloat16))):
+        governor = StepGovernor(table)
+        governor.autocast = "bf16"  # what auto's plan says
+        governor.settle(table, {}, model, overrides=overrides)
+        assert governor.wrap(_mode_and_autocast, is_training=True)() == runs
