@@ -236,14 +236,15 @@ def test_the_tests_mirror_the_package_and_each_file_imports_the_module_it_is_nam
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports, read from the source (``TYPE_CHECKING`` and function-level imports
     included: a circle a type checker or a lazy import walks is still a circle to the reader)."""
-    names = {}
-    for path in PACKAGE.rglob("*.py"):
+    trees = {}
+    for path, tree in _modules():
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        trees[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = tree
+    names = set(trees)
     graph: dict[str, set[str]] = {}
-    for name, path in names.items():
+    for name, tree in trees.items():
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
             module = node.module if isinstance(node, ast.ImportFrom) and not node.level else None
             if module and module.startswith("lightning_opkit"):
                 for alias in node.names:

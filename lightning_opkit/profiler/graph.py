@@ -10,13 +10,13 @@ scope, the inputs under ``input/``. Each node carries its output shape and dtype
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.opclass import classify_profiler_event
 
 __all__ = ["draw_graph", "example_inputs", "export_graph", "graph_def"]
@@ -57,7 +57,8 @@ def export_graph(model: nn.Module, batch: Any) -> tuple[Any, str]:
     reasons = []
     for what, args, kwargs in example_inputs(model, batch):
         try:
-            with warnings.catch_warnings(), torch.no_grad(), _eager():
+            # compiled regions (TorchCompile) are drawn as the ops they compile, not as dynamo's frames
+            with warnings.catch_warnings(), torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 warnings.simplefilter("ignore")
                 program = torch.export.export(model, args, kwargs, strict=False)
             return graph_def(program), what
@@ -88,12 +89,6 @@ def draw_graph(writer: Any, model: nn.Module, batch: Any) -> str:
     return f"drawn from {note} (Graphs tab)"
 
 
-def _eager() -> Any:
-    # compiled regions (TorchCompile) are drawn as the ops they compile, not as dynamo's frames
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
 def graph_def(program: Any) -> Any:
     """TensorBoard's ``GraphDef`` of an ``ExportedProgram``: one node per op, parameter and input.
 
@@ -122,7 +117,7 @@ def graph_def(program: Any) -> Any:
             scope = next(reversed(stack.values()))[0].replace(".", "/") + "/" if stack else ""
             # named within its module, as a reader counts: qkv/linear, attn/matmul, attn/matmul_1 (export's own
             # names count across the whole model: linear_12)
-            base = _aten_name(node.target)
+            base = op_class = _aten_name(node.target)
             seen = taken.setdefault(scope + base, 0)
             taken[scope + base] = seen + 1
             name, op = f"{scope}{base}" + (f"_{seen}" if seen else ""), str(node.target)
@@ -132,9 +127,9 @@ def graph_def(program: Any) -> Any:
         if isinstance(value, torch.Tensor):
             attr["_output_shapes"] = AttrValue(list=AttrValue.ListValue(shape=[TensorShapeProto(
                 dim=[TensorShapeProto.Dim(size=int(d)) for d in value.shape])]))
-            attr["dtype"] = AttrValue(s=str(value.dtype).removeprefix("torch.").encode())
+            attr["dtype"] = AttrValue(s=full_name(value.dtype).encode())
         if node.op == "call_function":
-            attr["op_class"] = AttrValue(s=classify_profiler_event(f"aten::{_aten_name(node.target)}").encode())
+            attr["op_class"] = AttrValue(s=classify_profiler_event(f"aten::{op_class}").encode())
         nodes.append(NodeDef(name=name, op=op, input=[names[i.name] for i in node.all_input_nodes if i.name in names],
                              attr=attr))
     return GraphDef(node=nodes, versions=VersionDef(producer=22))
