@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from lightning_opkit.core.torchao_compat import wrapped_in
+
 __all__ = ["Ranks", "local", "local_floats"]
 
 
@@ -31,9 +33,12 @@ def local(tensor: Any) -> Any:
     """
     to_local = getattr(tensor, "to_local", None)
     shard = to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
-    # FSDP2's float8 all-gather (torchao's cast wrapper) wraps the plain shard: its storage and values are that one's
-    return shard._tensor if hasattr(shard, "fsdp_pre_all_gather") and isinstance(shard, torch.Tensor) and \
-        hasattr(shard, "_tensor") else shard
+    # FSDP2's float8 all-gather (torchao's cast wrapper) wraps the plain shard: its storage and values are that one's.
+    # Only a tensor with an all-gather extension can be one: the hot path asks that first.
+    if not hasattr(shard, "fsdp_pre_all_gather"):
+        return shard
+    plain = wrapped_in(shard)
+    return shard if plain is None else plain
 
 
 def local_floats(value: Any) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,10 +13,10 @@ from torch import Tensor
 from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.ranks import local
 from lightning_opkit.nan.report import Origin
-from lightning_opkit.nan.spike import log_loss
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["Checked", "OUTCOMES", "all_finite", "bad_gradient_shard", "check", "check_step", "flags", "outcome"]
+__all__ = ["Checked", "OUTCOMES", "all_finite", "bad_gradient_shard", "check", "check_step", "flags", "log_values",
+           "outcome", "read"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -42,7 +43,7 @@ class Checked:
         grad_bad: a gradient was non-finite on some rank.
         values: the step's log-loss and log-gradient-norm, their maximum over ranks (on the host): what a spike is
             scored on, and what enters the window if the step is good.
-        local: this rank's own log-loss and log-gradient-norm (on the device; read only after a spike).
+        local: this rank's own loss and gradient norm (on the device; read only after a spike).
         norms: this rank's per-gradient norms (on the device), in ``grads`` order.
         dead: the ``dead`` flag was set on some rank: a watched parameter went without a gradient long enough.
     """
@@ -89,8 +90,8 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     """The checked step's one collective and one sync: non-finite flags, and the values spikes are scored on.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
-    local shard, so the check costs no all-gather, and the one ``all_reduce`` (of two flags and two values, their
-    maximum over ranks) tells every rank the same.
+    local shard, so the check costs no all-gather, and the one ``all_reduce`` (of the loss, the gradient norm and the
+    dead flag, their maximum over ranks) tells every rank the same.
 
     Args:
         losses: the step's (micro-batch) losses, detached.
@@ -105,42 +106,72 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         (False, True)
     """
     found, own, norms = flags(losses, grads, device, dead)
-    loss_bad, grad_bad, loss_value, grad_value, flagged = found.tolist()  # the one host sync of a checked step
-    grad_bad = grad_bad > 0 and _exactly_non_finite([g for g in (local(g) for g in grads) if not g.is_sparse])
-    return Checked(loss_bad > 0, grad_bad, (loss_value, grad_value), own, norms, flagged > 0)
+    loss, grad_norm, flagged = read(found.tolist())  # the one host sync of a checked step
+    grad_bad = math.isinf(grad_norm) and _exactly_non_finite([g for g in (local(g) for g in grads)
+                                                              if not g.is_sparse])
+    return Checked(math.isinf(loss), grad_bad, log_values(loss, grad_norm), own, norms, flagged)
+
+
+def log_values(loss: float, grad_norm: float) -> tuple[float, float]:
+    """What a spike is scored on: the loss and the gradient norm, each on a log scale.
+
+    The loss through ``sign(x) * log1p(|x|)``, the log of a large loss and defined for a small or negative one; the
+    gradient norm through its log (a zero norm scores as very small, not as -inf).
+
+    Example:
+        >>> [round(v, 4) for v in log_values(-1.0, 1.0)], round(log_values(8.7, 0.0)[0], 4)
+        ([-0.6931, 0.0], 2.2721)
+    """
+    return math.copysign(math.log1p(abs(loss)), loss), math.log(grad_norm + 1e-30)
+
+
+def read(found: list[float]) -> tuple[float, float, bool]:
+    """``(loss, gradient norm, dead flag)`` from :func:`flags`' ``found`` on the host; +inf where non-finite.
+
+    Example:
+        >>> read([2.0, float("inf")])
+        (2.0, inf, False)
+    """
+    return found[0], found[1], len(found) > 2 and found[2] > 0
 
 
 def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
           dead: Callable[[Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`check`'s reduction, left on the device: nothing is read on the host.
 
+    A handful of device ops, since on a small model each costs more host time than its arithmetic: one fused norm
+    per gradient, their norm, and the loss beside it. A NaN or Inf anywhere makes its norm non-finite; non-finite
+    values are sent as +inf, so that the maximum over ranks keeps them (a collective's maximum of a NaN is undefined)
+    and the host tells them from any finite value.
+
     Returns:
-        ``found`` (5 floats, their maximum over ranks: loss non-finite, a gradient norm non-finite, log-loss,
-        log-gradient-norm, the ``dead`` flag), this rank's own log-loss and log-gradient-norm, and its per-gradient
-        norms.
+        ``found`` (the mean loss, the gradient norm and, with ``dead``, its flag: their maximum over ranks, +inf where
+        non-finite; :func:`read` unpacks it), this rank's own loss and gradient norm, and its per-gradient norms.
 
     Example:
         >>> found, _, _ = flags([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
-        >>> found[:2].tolist()
-        [0.0, 1.0]
+        >>> found.tolist()
+        [1.0, inf]
     """
-    losses = [local(x).reshape(-1).float() for x in losses]
+    losses = [local(x).float() for x in losses]
     grads = [g for g in (local(g) for g in grads) if not g.is_sparse and g.numel()]
     if losses:
         device = losses[0].device
     elif grads:
         device = grads[0].device
-    zero = torch.zeros((), device=device)
-    loss = torch.cat(losses).mean() if losses else zero
-    # One fused multi-tensor kernel on CUDA; a NaN or Inf anywhere makes its norm non-finite. The norms are taken in
-    # fp32: in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow.
+    if len(losses) == 1 and losses[0].dim() == 0:
+        loss = losses[0]
+    else:
+        loss = torch.cat([x.reshape(-1) for x in losses]).mean() if losses else torch.zeros((), device=device)
+    # One fused multi-tensor kernel on CUDA. The norms are taken in fp32: in a 16-bit gradient's own dtype a finite
+    # norm past 65504 (fp16) would overflow.
     norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
-    bad = [~loss.isfinite() if losses else zero.bool(), ~norms.isfinite().all() if norms is not None else zero.bool()]
-    grad_norm = norms.square().sum().sqrt() if norms is not None else zero
-    own = torch.stack([log_loss(loss), grad_norm.add(1e-30).log()])
-    more = dead(norms).to(device) if dead is not None else zero.reshape(1)
-    found = _any_rank(torch.cat([torch.stack(bad).float(), own, more]))  # a copy: ``own`` stays this rank's
-    return found, own, norms
+    grad_norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
+    own = torch.stack([loss, grad_norm])
+    found = own.nan_to_num(nan=math.inf, posinf=math.inf, neginf=math.inf)  # a copy: ``own`` stays this rank's
+    if dead is not None:
+        found = torch.cat([found, dead(norms).to(device)])
+    return _any_rank(found), own, norms
 
 
 def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:

@@ -15,16 +15,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_opkit.core.ranks import local
+from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["Dead", "DeadWatch"]
+if TYPE_CHECKING:
+    from lightning_opkit.core.logging import LogWriter
+
+__all__ = ["COLUMNS", "Dead", "DeadWatch", "write_dead"]
 
 
 @dataclass(frozen=True)
@@ -228,3 +232,15 @@ class DeadWatch:
             for expert, count in enumerate(counts.tolist()):
                 if count >= self.after:
                     yield name, expert, "all-zero gradient", self._step - int(count) + 1
+
+
+def write_dead(writer: LogWriter, found: list[Dead], step: int) -> None:
+    """``opkit/nan/dead_parameters``: every parameter and expert named so far.
+
+    Args:
+        writer: the detector's writer.
+        found: what the dead-parameter watch has named.
+        step: the global step.
+    """
+    writer.text("opkit/nan/dead_parameters", markdown_table(COLUMNS, [d.row() for d in found]), step)
+    writer.flush()

@@ -28,11 +28,10 @@ from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.nan.actions import Actions, pinner
 from lightning_opkit.nan.check import check, flags, outcome
-from lightning_opkit.nan.dead import DeadWatch
+from lightning_opkit.nan.dead import DeadWatch, write_dead
 from lightning_opkit.nan.device import DeviceDecision, check_device_decision
-from lightning_opkit.nan.log import write_dead, write_report
 from lightning_opkit.nan.replays import MicroBatch, Replays
-from lightning_opkit.nan.report import NaNReport, NonFiniteError, format_report
+from lightning_opkit.nan.report import NaNReport, NonFiniteError, format_report, write_report
 from lightning_opkit.nan.scaler import ScaleWatch
 from lightning_opkit.nan.skip import BatchState, StepSkipper
 from lightning_opkit.nan.spike_report import Spikes

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from lightning_opkit.nan.check import read
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,7 +150,7 @@ class DeviceDecision:
             step: the global step.
             epoch: the epoch.
         """
-        bad = found[:2].amax()
+        bad = found[:2].isinf().any().float()  # non-finite values come as +inf
         skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
         skipper.restore_buffers_where(bad)
         self.late = _Late(pending, HostCopy(found), step, epoch)
@@ -166,13 +169,14 @@ class DeviceDecision:
         late, self.late = self.late, None
         if late is None:
             return
-        loss_bad, grad_bad, _, _, flagged = late.found.read()
-        if flagged > 0:
+        loss, grad_norm, flagged = read(late.found.read())
+        loss_bad, grad_bad = math.isinf(loss), math.isinf(grad_norm)
+        if flagged:
             name_dead()
-        if not (loss_bad > 0 or grad_bad > 0):
+        if not (loss_bad or grad_bad):
             actions.good_step()
             return
         # The weights are still those the bad step ran on: its update was left out on the device.
         with as_of_step(trainer, late.step):
-            report = replays.report(trainer, pl_module, late.pending, loss_bad > 0, None)
+            report = replays.report(trainer, pl_module, late.pending, loss_bad, None)
             actions.act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)

@@ -25,7 +25,7 @@ from lightning_opkit.core.ranks import Ranks, local
 from lightning_opkit.core.replay import rng_state, set_rng_state
 from lightning_opkit.core.step_loss import training_loss
 from lightning_opkit.nan.cause import diagnose
-from lightning_opkit.nan.check import Checked, bad_gradient_shard
+from lightning_opkit.nan.check import Checked, bad_gradient_shard, log_values
 from lightning_opkit.nan.locate import locate
 from lightning_opkit.nan.report import SHARD_ONLY, Cause, NaNReport, Origin, not_reproduced
 from lightning_opkit.nan.scaler import collapse_cause
@@ -184,8 +184,8 @@ class Replays:
         if checked.local is None or spikes.watch is None:
             raise RuntimeError("NaNDetector: a spike was scored without a spike watch")
         ranks, resume_rng = Ranks(pl_module.device), rng_state()
-        own_values = checked.local.tolist()  # the slow path: syncs freely
-        own = spikes.watch.scores((own_values[0], own_values[1]))[0 if kind == "loss" else 1]
+        own_loss, own_norm = checked.local.tolist()  # the slow path: syncs freely
+        own = spikes.watch.scores(log_values(own_loss, own_norm))[0 if kind == "loss" else 1]
         # the rank that spiked highest (the lowest on a tie)
         rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]
         agree = functools.partial(from_rank, ranks, rank)

@@ -1,12 +1,21 @@
-"""What NaNDetector reports: where the first non-finite value came from, why, and what was done about it."""
+"""What NaNDetector reports: where the first non-finite value came from, why, and what was done about it.
+
+The report's text and fields are written to TensorBoard (and the Trainer's other loggers) here too.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Cause", "NaNReport", "NonFiniteError", "Origin", "amended", "format_report", "not_reproduced"]
+from lightning_opkit.core.text import markdown_table
+
+if TYPE_CHECKING:
+    from lightning_opkit.core.logging import LogWriter
+
+__all__ = ["Cause", "NaNReport", "NonFiniteError", "Origin", "amended", "format_report", "not_reproduced",
+           "write_report"]
 
 
 @dataclass(frozen=True)
@@ -265,3 +274,18 @@ def _format_spike(r: dict[str, Any]) -> str:
     if r.get("top_parameters"):
         text += f"; gradients jumped most in {', '.join(r['top_parameters'])}"
     return text + "."
+
+
+def write_report(writer: LogWriter, report: NaNReport, step: int) -> None:
+    """``opkit/nan/report`` (the report and its fields) and ``opkit/nan/cause``.
+
+    Args:
+        writer: the detector's writer.
+        report: the report.
+        step: the global step.
+    """
+    rows = [[key, "-" if value is None else value] for key, value in report.as_dict().items()]
+    writer.text("opkit/nan/report", format_report(report) + "\n\n" + markdown_table(["field", "value"], rows), step)
+    if report.cause is not None:
+        writer.text("opkit/nan/cause", f"**{report.cause.cause}**: {report.cause.advice}", step)
+    writer.flush()

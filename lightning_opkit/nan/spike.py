@@ -19,10 +19,11 @@ good steps. In log space, against the last ``window`` good steps:
 - a warm-up of ``min(window, 20)`` good steps before any step is judged;
 - only good steps enter the window: a spike, a skipped or non-finite step never does.
 
-The two values are computed on the device and reach the host in the check's one sync, reduced over ranks by the
-same collective as the flags (their maximum: the worst rank's loss, and under DDP the one gradient norm), so every
-rank keeps the same window and takes the same decision; the statistics over a hundred pairs of floats are then
-computed on the host, with no device work at all (measured cheaper on a CPU than a dozen small tensor ops).
+The loss and the gradient norm reach the host in the check's one sync, reduced over ranks by the same collective as
+the flags (their maximum: the worst rank's loss, and under DDP the one gradient norm; the log is monotone, so the
+maximum's log is the logs' maximum), so every rank keeps the same window and takes the same decision; their logs and
+the statistics over a hundred pairs of floats are then computed on the host, with no device work at all (measured
+cheaper on a CPU than a dozen small tensor ops).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import run_step, set_rng_state
 
-__all__ = ["DEPARTS", "FLOOR", "SpikeWatch", "departures", "log_loss"]
+__all__ = ["DEPARTS", "FLOOR", "SpikeWatch", "departures"]
 
 #: a module's outputs depart from the good batch's when their RMS differs by this factor, either way
 DEPARTS = 4.0
@@ -49,17 +50,6 @@ DEPARTS = 4.0
 FLOOR = (0.1, 0.25)
 _WARMUP = 20
 _RECENT = 10
-
-
-def log_loss(loss: Tensor) -> Tensor:
-    """``sign(x) * log1p(|x|)``: the log of a large loss, defined for a small or negative one.
-
-    Example:
-        >>> import torch
-        >>> log_loss(torch.tensor([0.0, -1.0, 8.7])).tolist()
-        [0.0, -0.6931471824645996, 2.2721259593963623]
-    """
-    return loss.sign() * loss.abs().log1p()
 
 
 class SpikeWatch:

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_opkit.nan.cause import climb, replay_in
+from lightning_opkit.nan.check import log_values
 from lightning_opkit.nan.report import Cause, Origin
-from lightning_opkit.nan.spike import DEPARTS, SpikeWatch, departures, log_loss
+from lightning_opkit.nan.spike import DEPARTS, SpikeWatch, departures
 
 __all__ = ["Found", "SpikeCase", "Spikes", "investigate", "scored_again", "spike_cause", "top_jumps", "where_it_starts"]
 
@@ -126,8 +127,8 @@ def scored_again(case: SpikeCase, watch: SpikeWatch, policies: list[Any], culpri
         return 0.0
     norms = [g.float().norm() for g in grads if g is not None]
     norm = torch.stack(norms).square().sum().sqrt() if norms else torch.zeros(())
-    values = torch.stack([log_loss(loss.float().mean() * case.loss_scale), norm.add(1e-30).log()]).tolist()
-    return watch.scores((values[0], values[1]))[0 if case.kind == "loss" else 1]
+    values = torch.stack([loss.float().mean() * case.loss_scale, norm]).tolist()
+    return watch.scores(log_values(values[0], values[1]))[0 if case.kind == "loss" else 1]
 
 
 def spike_cause(case: SpikeCase, again_in: Callable[[bool], float], lowered: bool, compiled: bool,

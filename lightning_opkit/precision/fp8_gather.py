@@ -28,9 +28,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_opkit.core.fp32 import autocast_off
-from lightning_opkit.core.fsdp import weight_records
+from lightning_opkit.core.fsdp import gathers_extensions, local_shard, swap_local_shard, weight_records
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import named_reasons
+from lightning_opkit.core.torchao_compat import float8_dtype, set_scale, wrapped_in
 
 __all__ = ["Float8AllGather", "float8_weight", "gather_lines", "high_precision"]
 
@@ -76,16 +77,6 @@ class _Held:
     hook: RemovableHandle
 
 
-def _afresh(fsdp_param: Any) -> None:
-    """Have FSDP2 build this parameter's gathered tensor anew at its next all-gather (its dtype changed)."""
-    fsdp_param._init_extensions()
-    if hasattr(fsdp_param, "_unsharded_param"):
-        fsdp_param.free_unsharded_param()
-        del fsdp_param._unsharded_param
-    fsdp_param.all_gather_outputs = []
-    fsdp_param._unsharded_inner_tensors = []
-
-
 def _standing_aside(pre_all_gather: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The cast before the gather (torchao's), with the policy's mode and autocast aside: not the model's ops."""
 
@@ -96,17 +87,17 @@ def _standing_aside(pre_all_gather: Callable[[Any], Any]) -> Callable[[Any], Any
     return fsdp_pre_all_gather
 
 
-def _plain_state(name: str) -> Any:
-    """A ``state_dict`` post-hook handing out module ``name``'s plain weight shard rather than the float8-cast one."""
+def _plain_state() -> Any:
+    """A ``state_dict`` post-hook handing out a module's plain weight shard rather than the float8-cast one."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         from torch.distributed.tensor import DTensor
 
         key = prefix + "weight"
         value: Any = state_dict.get(key)
-        wrapped: Any = value._local_tensor if isinstance(value, DTensor) else None
-        if hasattr(wrapped, "fsdp_pre_all_gather"):
-            state_dict[key] = DTensor.from_local(wrapped._tensor, value.device_mesh, value.placements, run_check=False,
+        plain = wrapped_in(value.to_local()) if isinstance(value, DTensor) else None
+        if plain is not None:
+            state_dict[key] = DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False,
                                                  shape=value.shape, stride=value.stride())
 
     return hook
@@ -174,7 +165,7 @@ class Float8AllGather:
         if post_forward is not None and post_forward != fsdp_param.mesh_info:
             # FSDP2 raises NotImplementedError gathering an extension's tensor from such a post-forward shard
             return "resharded after forward to a smaller group (reshard_after_forward=<int>)"
-        if not hasattr(fsdp_param, "_init_extensions"):
+        if not gathers_extensions(fsdp_param):
             return f"torch {torch.__version__}'s FSDP2 has no all-gather extensions"
         return ""
 
@@ -183,14 +174,10 @@ class Float8AllGather:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         owner.reshard()  # type: ignore[operator]  # a root keeps its gathered parameters after a forward alone
-        weight = fsdp_param.sharded_param
-        plain_local, plain_data = weight._local_tensor, fsdp_param._sharded_param_data
-        wrapped: Any = WeightWithDynamicFloat8CastTensor(plain_local, mm_config, dtype)
+        wrapped: Any = WeightWithDynamicFloat8CastTensor(local_shard(fsdp_param), mm_config, dtype)
         wrapped.fsdp_pre_all_gather = _standing_aside(wrapped.fsdp_pre_all_gather)
-        weight._local_tensor = wrapped
-        fsdp_param._sharded_param_data = wrapped.view(-1)
-        _afresh(fsdp_param)
-        hook = module.register_state_dict_post_hook(_plain_state(name))
+        plain_local, plain_data = swap_local_shard(fsdp_param, wrapped)
+        hook = module.register_state_dict_post_hook(_plain_state())
         self._held[name] = _Held(fsdp_param, owner, plain_local, plain_data, hook)
         if name not in self.gathered:  # set aside for a measurement and installed again
             self.gathered.append(name)
@@ -213,10 +200,10 @@ class Float8AllGather:
         with torch.no_grad(), SUSPENDED.scope(), autocast_off():
             # the inf-norm of each DTensor is a partial max: the clamp on their stack reduces them all at once
             amax: Any = torch.clamp(torch.stack(torch._foreach_norm(wrapped, ord=math.inf)), EPS).to(torch.float64)
-            dtype = wrapped[0]._local_tensor._dtype  # the recipe's one weight dtype
+            dtype = float8_dtype(local_shard(next(iter(self._held.values())).fsdp_param))  # the recipe's one dtype
             scales = (torch.finfo(dtype).max / amax).to_local().to(torch.float32)
-        for weight, scale in zip(wrapped, scales):
-            weight._local_tensor._precomputed_scale = scale
+        for held, scale in zip(self._held.values(), scales):
+            set_scale(local_shard(held.fsdp_param), scale)
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Drop the precomputed scales whenever one of ``optimizers`` has stepped: the weights changed.
@@ -233,7 +220,7 @@ class Float8AllGather:
 
     def _drop_scales(self) -> None:
         for held in self._held.values():
-            held.fsdp_param.sharded_param._local_tensor._precomputed_scale = None
+            set_scale(local_shard(held.fsdp_param), None)
 
     def release(self, name: str, forget: bool = True) -> bool:
         """Gather module ``name``'s weight in its usual dtype again; whether it was gathered in float8.
@@ -249,9 +236,7 @@ class Float8AllGather:
             self.gathered.remove(name)
         fsdp_param = held.fsdp_param
         held.owner.reshard()  # type: ignore[operator]
-        fsdp_param.sharded_param._local_tensor = held.plain_local
-        fsdp_param._sharded_param_data = held.plain_data
-        _afresh(fsdp_param)
+        swap_local_shard(fsdp_param, held.plain_local, held.plain_data)
         held.hook.remove()
         return True
 

@@ -8,7 +8,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_opkit.core.fsdp import fsdp_modules, fully_sharded, reshard, weight_records
+from lightning_opkit.core.fsdp import (
+    fsdp_modules,
+    fully_sharded,
+    gathers_extensions,
+    local_shard,
+    reshard,
+    swap_local_shard,
+    weight_records,
+)
 
 
 @pytest.fixture
@@ -52,8 +60,8 @@ def test_reshard_puts_back_what_a_forward_alone_left_gathered(sharded):
 
 
 def test_the_private_fsdp2_and_torchao_fields_opkit_reads_and_writes_are_where_it_looks(sharded):
-    """core/fsdp.py and precision/fp8_gather.py reach past FSDP2's and torchao's walls: on a real FSDP2 model and a
-    real torchao weight wrapper, every private name they use is there (a release that moves one fails here first)."""
+    """core/fsdp.py reaches past FSDP2's wall: on a real FSDP2 model every private name it reads or writes is there
+    (a torch release that moves one fails here first)."""
     group = sharded._get_fsdp_state()._fsdp_param_group
     fsdp_param = group.fsdp_params[0]
     for name in ("_sharded_param_data", "_init_extensions", "all_gather_outputs", "_unsharded_inner_tensors",
@@ -61,14 +69,19 @@ def test_the_private_fsdp2_and_torchao_fields_opkit_reads_and_writes_are_where_i
         assert hasattr(fsdp_param, name), name
     assert isinstance(fsdp_param.sharded_param, DTensor)
     assert isinstance(fsdp_param.sharded_param._local_tensor, torch.Tensor)
-    torchao = pytest.importorskip("torchao")  # the fp8 extra
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from lightning_opkit.precision.fp8 import gemm_function
 
-    _, _, mm_config = gemm_function("tensorwise")  # as fp8_gather builds its wrapper
-    wrapped = WeightWithDynamicFloat8CastTensor(torch.ones(4, 4), mm_config, torch.float8_e4m3fn)
-    assert torch.equal(wrapped._tensor, torch.ones(4, 4))  # core/ranks.local unwraps it there
-    assert hasattr(wrapped, "_precomputed_scale")  # fp8_gather sets one scale per step there
-    assert hasattr(wrapped, "fsdp_pre_all_gather")
-    assert torchao.__version__
+def test_swapping_a_local_shard_keeps_the_parameter_and_puts_the_old_one_back(sharded):
+    record, _ = weight_records(sharded)[id(sharded[0])]
+    param = sharded[0].weight
+    before = local_shard(record)
+    copy = before.clone()
+    old = swap_local_shard(record, copy)
+    assert sharded[0].weight is param  # the optimizer's parameter object stays
+    assert local_shard(record) is copy
+    assert old[0] is before
+    assert gathers_extensions(record)
+    out = sharded(torch.randn(2, 8))  # FSDP2 gathers the new shard afresh
+    out.sum().backward()
+    swap_local_shard(record, *old)
+    assert local_shard(record) is before

@@ -27,7 +27,8 @@ def test_a_finite_gradient_whose_norm_overflows_is_not_a_fault():
     big = torch.full((8,), 60000.0, dtype=torch.half)  # fp16 gradients whose norm passes 65504: finite all the same
     assert not check([torch.tensor(1.0)], [big], torch.device("cpu")).grad_bad
     found, _, _ = flags([], [big], torch.device("cpu"))
-    assert found[:2].tolist() == [0.0, 0.0]  # the norm is taken in fp32
+    assert math.isfinite(found[1].item())  # the norm is taken in fp32
+    assert math.isclose(found[1].item(), 60000.0 * math.sqrt(8), rel_tol=1e-6)
 
 
 def test_all_finite_over_tensors_of_several_dtypes():
@@ -51,3 +52,15 @@ def test_outcome_is_the_one_decision_of_a_checked_step():
     assert outcome(nan_grads, None, scaler=False, forward_fault=forward_fault(True)) == "non-finite"
     assert asked == [False, True]
     assert set(OUTCOMES) == {"healthy", "spike", "scaler overflow", "non-finite"}
+
+
+def test_non_finite_values_reach_the_host_as_inf_whatever_their_sign_and_the_logs_are_taken_there():
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        found, own, _ = flags([torch.tensor(bad)], [torch.tensor([bad, 1.0])], torch.device("cpu"))
+        assert found.tolist() == [math.inf, math.inf]  # a collective's maximum keeps +inf, not a NaN
+        assert not own.isfinite().any()  # this rank's own values stay as they were
+    checked = check([torch.tensor(-3.0)], [torch.zeros(2)], torch.device("cpu"))
+    assert not checked.loss_bad
+    assert not checked.grad_bad
+    assert checked.values[0] == -math.log1p(3.0)
+    assert checked.values[1] < -60  # log of a zero norm, finite

@@ -218,7 +218,7 @@ def test_leave_hands_the_flag_to_found_inf_and_the_buffers_and_copies_it_for_the
     skipper.begin_batch(checking=True, save_buffers=True)
     buffer.fill_(5.0)  # what the bad step's forward wrote
     decision = DeviceDecision()
-    found = torch.tensor([0.0, 1.0, 0.3, 9.0, 0.0])  # a gradient went non-finite
+    found = torch.tensor([0.3, float("inf"), 0.0])  # flags(): the loss, a non-finite gradient norm, no dead flag
     decision.leave(found, skipper, pending=[], step=4, epoch=1)
     assert float(skipper.found_inf) == 1.0  # the fused optimizer leaves its update out
     assert buffer.tolist() == [0.0, 0.0]  # put back on the device
