@@ -461,6 +461,30 @@ def suite_kit(args) -> None:
             print(f"  inside {name}'s hooks on a step between: {1e3 * statistics.median(values):.3f} ms"
                   f" = {100 * statistics.median(values) / step:.2f}% of the step")
         print(f"  all five callbacks' hooks on a step between: {100 * hooks / step:.2f}% of the step (target < 2%)")
+        alone(make, steps, args.reps, between)
+
+
+def alone(make, steps: int, reps: int, between: Callable[[int], bool]) -> None:
+    """Each callback alone against the same run without any, by step time on the steps between.
+
+    Not by its hooks' clock: an observer outside the kit, which sees what the hooks leave out (a compiled region's
+    dispatch, a checkpoint's recompute, caches the check leaves cold or warm). Interleaved; the run without any twice
+    (A/A).
+    """
+    callbacks = {type(c).__name__: i for i, c in enumerate(kit())}
+    variants = {"none": None, "none (A/A control)": None, **callbacks, "all five": -1}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, index in variants.items():
+            chosen = [] if index is None else kit() if index == -1 else [kit()[index]]
+            timer = StepTimer()
+            run(lambda chosen=chosen: make(chosen), steps, 0, timer)
+            times[name].append(statistics.median(t for i, t in enumerate(timer.intervals()) if between(i)))
+    base = statistics.median(times["none"])
+    print("  step time between, each callback alone against none (medians over runs, interleaved):")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"    {name:<26} {1e3 * median:8.2f} ms/step   ratio {median / base:.3f}")
 
 
 SUITES = {"nan": suite_nan, "nan_device": suite_nan_device, "precision": suite_precision,

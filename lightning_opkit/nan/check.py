@@ -154,7 +154,8 @@ def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         [1.0, inf]
     """
     losses = [local(x).float() for x in losses]
-    grads = [g for g in (local(g) for g in grads) if not g.is_sparse and g.numel()]
+    # a plain gradient (the usual case) skips local()'s look for a shard: this runs once per gradient and step
+    grads = [g for g in (g if type(g) is Tensor else local(g) for g in grads) if not g.is_sparse and g.numel()]
     if losses:
         device = losses[0].device
     elif grads:
