@@ -247,7 +247,7 @@ def test_every_module_has_its_test_file_but_the_listed_ones_and_the_list_only_sh
         if not (tests.joinpath(*parts[:-1]) / f"test_{parts[-1]}.py").exists():
             without.add(".".join(parts))
     assert without <= WITHOUT_TESTS, f"modules with no test file of their own: {sorted(without - WITHOUT_TESTS)}"
-    assert without == WITHOUT_TESTS, f"these have their test file now; take them off the list: {sorted(WITHOUT_TESTS - without)}"
+    assert without == WITHOUT_TESTS, f"these have their test file now, off the list: {sorted(WITHOUT_TESTS - without)}"
 
 
 def test_the_tests_mirror_the_package_and_each_file_imports_the_module_it_is_named_for():
