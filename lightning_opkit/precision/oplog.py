@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit.core.ranks import local
+from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS
 from lightning_opkit.precision.dtypes import NEVER_CAST
 from lightning_opkit.precision.function_mode import policy_info
@@ -29,7 +30,8 @@ class OpLog(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         cls, inplace = policy_info(func)
-        if cls not in NEVER_CAST and not inplace and "out" not in kwargs:
+        # a backward or a higher-order operator inside the step (its class is no op class) has nothing to time
+        if cls in OP_CLASSES and cls not in NEVER_CAST and not inplace and "out" not in kwargs:
             sig = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else None
                         for t in tree_leaves((args, kwargs)))
             key = (func, sig)
