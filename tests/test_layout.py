@@ -227,7 +227,7 @@ def _unnamed_tests():
 #: a module added from now on comes with its test file, and one that gets its file leaves this list.
 WITHOUT_TESTS = {
     "arguments", "checkpointing.region", "compile.compiled_forward", "compile.regions", "core.callback",
-    "nan.replays", "precision.function_mode",
+    "nan.replays",
     "precision.runner", "precision.view", "profiler.log", "profiler.memory_log", "profiler.memory_snapshot",
     "profiler.op_times", "profiler.roofline.gemm_speed", "profiler.roofline.layout_speed", "profiler.roofline.levers",
     "profiler.roofline.peaks", "profiler.roofline.plot", "profiler.roofline.report", "profiler.roofline.view",
