@@ -228,7 +228,7 @@ def _unnamed_tests():
 WITHOUT_TESTS = {
     "arguments", "checkpointing.region", "compile.compiled_forward", "compile.regions", "core.callback",
     "nan.replays",
-    "precision.runner", "precision.view", "profiler.log", "profiler.memory_log", "profiler.memory_snapshot",
+    "precision.view", "profiler.log", "profiler.memory_log", "profiler.memory_snapshot",
     "profiler.op_times", "profiler.roofline.gemm_speed", "profiler.roofline.layout_speed", "profiler.roofline.levers",
     "profiler.roofline.peaks", "profiler.roofline.plot", "profiler.roofline.report", "profiler.roofline.view",
     "profiler.roofline.work", "profiler.session", "profiler.traces",
