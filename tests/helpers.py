@@ -295,3 +295,29 @@ def policy_refused_under(backend) -> bool:
 
 
 REFUSED = "with a PrecisionPolicy needs torch 2.11 or newer"
+
+
+def profiled(step):
+    """A torch.profiler run (shapes and FLOPs recorded) of ``step``, after one warm-up call."""
+    step()
+    with torch.profiler.profile(record_shapes=True, with_flops=True) as prof:
+        step()
+    return prof
+
+
+def _raw(formula):
+    def counted(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    counted._get_raw = True  # already shape-wrapped by torch's registration
+    return counted
+
+
+def flop_counter():
+    """FlopCounterMode, with its own SDPA formulas applied to CPU's flash attention too (it leaves that op at 0)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: _raw(sdpa_flop),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(sdpa_backward_flop)})
