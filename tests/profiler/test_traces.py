@@ -1,0 +1,35 @@
+"""A window's trace file (profiler/traces.py): written where TensorBoard's profiler plugin reads it, readable as
+Chrome-trace JSON, the oldest dropped past the limit."""
+
+import gzip
+import json
+import pathlib
+
+import torch
+
+from lightning_opkit.profiler.traces import write_trace
+
+
+def _profile():
+    with torch.profiler.profile() as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    return prof
+
+
+def test_the_trace_is_named_by_rank_and_step_and_holds_the_recorded_ops(tmp_path):
+    written: list[str] = []
+    seconds = write_trace(_profile(), str(tmp_path / "traces"), rank=1, step=30, gzip=False, written=written, keep=None)
+    assert seconds >= 0
+    assert written == [str(tmp_path / "traces" / "rank1.30.pt.trace.json")]
+    names = {e.get("name") for e in json.loads(pathlib.Path(written[0]).read_text())["traceEvents"]}
+    assert "aten::mm" in names
+
+
+def test_gzipped_and_only_the_newest_kept(tmp_path):
+    written: list[str] = []
+    for step in (10, 20, 30):
+        write_trace(_profile(), str(tmp_path), rank=0, step=step, gzip=True, written=written, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.20.pt.trace.json.gz", "rank0.30.pt.trace.json.gz"]
+    assert written == [str(tmp_path / "rank0.20.pt.trace.json.gz"), str(tmp_path / "rank0.30.pt.trace.json.gz")]
+    with gzip.open(written[-1], "rt") as f:
+        assert "traceEvents" in json.load(f)
