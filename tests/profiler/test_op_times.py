@@ -1,0 +1,62 @@
+"""A window's times per op class (profiler/op_times.py), Trainer-free, from a real torch.profiler run: each class's
+self time is the sum of its ops' self time as the profiler's own key_averages() gives it; FLOPs as FlopCounterMode
+counts them; a region's span and the settling barrier handled as documented."""
+
+import pytest
+import torch
+from helpers import flop_counter
+from torch import nn
+
+from lightning_opkit.opclass import classify_profiler_event, is_framework_event
+from lightning_opkit.profiler.op_times import summarize, window_events
+from lightning_opkit.profiler.session import SETTLE
+
+
+def _step(model, x):
+    return lambda: model(x).sum().backward()
+
+
+def _profile(step, settle=False):
+    step()
+    with torch.profiler.profile(record_shapes=True, with_flops=True) as prof:
+        with torch.profiler.record_function("opkit region model.mlp"):
+            step()
+        if settle:
+            with torch.profiler.record_function(SETTLE):
+                torch.ones(512, 512) @ torch.ones(512, 512)  # no part of the step
+    return prof
+
+
+def test_class_times_are_the_profiler_s_own_self_times_by_class_and_flops_flop_counter_s():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)), torch.randn(32, 64)
+    prof = _profile(_step(model, x))
+    report = summarize(prof, [0.01, 0.03], use_device=False)
+    by_class: dict[str, float] = {}
+    for e in prof.key_averages():
+        if not is_framework_event(e.key):
+            cls = classify_profiler_event(e.key)
+            by_class[cls] = by_class.get(cls, 0.0) + e.self_cpu_time_total
+    assert {c: t for c, t in report.class_self_us.items() if t} == pytest.approx(by_class)
+    assert sum(report.class_percent().values()) == pytest.approx(100.0)
+    assert report.steps == 2
+    assert report.step_time_ms == pytest.approx(20.0)
+    assert report.ops == sorted(report.ops, key=lambda r: -r.self_us)
+    with flop_counter() as counter:
+        _step(model, x)()
+    assert report.flops == counter.get_total_flops()
+    assert set(report.region_total_us) == {"model.mlp"}
+    assert report.region_total_us["model.mlp"] > 0
+    assert report.communication_us == 0.0
+
+
+def test_what_began_once_the_window_was_settling_is_no_part_of_it():
+    model, x = nn.Linear(64, 64), torch.randn(8, 64)
+    settled = _profile(_step(model, x), settle=True)
+    names = [e.name for e in window_events(settled)]
+    assert SETTLE not in names
+    assert len(names) < len(settled.events())
+    with flop_counter() as counter:
+        _step(model, x)()
+    # the step's FLOPs alone: the 512 x 512 product after the barrier began is not counted
+    assert summarize(settled, [0.01], use_device=False).flops == counter.get_total_flops()
