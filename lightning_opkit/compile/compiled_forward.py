@@ -15,23 +15,14 @@ from typing import Any
 
 import torch
 
-from lightning_opkit.compile.config import COMPILE_FAILURES
-from lightning_opkit.compile.regions import Region, cache_entries, recompile_limit
+from lightning_opkit.compile.regions import Region, recompile_limit
 from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
+from lightning_opkit.core.dynamo_compat import COMPILE_FAILURES, cache_entries, stance
 from lightning_opkit.core.facts import FASTER
 from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.trial import Trial
 
-__all__ = ["CompiledForward", "RegionHooks", "limit_message", "speed_trial", "stance"]
-
-
-def stance() -> str:
-    """Dynamo's current stance (``"default"`` unless a replay or census forces eager)."""
-    # NaNDetector's replay and PrecisionPolicy's census force eager; a region switched to eager_on_recompile must not
-    # override that, nor be timed then.
-    from torch._dynamo.eval_frame import _stance
-
-    return _stance.stance
+__all__ = ["CompiledForward", "RegionHooks", "limit_message", "speed_trial"]
 
 
 def speed_trial() -> Trial:

@@ -10,25 +10,12 @@ import torch
 import torch._dynamo
 
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs
+from lightning_opkit.core.dynamo_compat import backend_callable, inductor_defaults, inductor_modes
 from lightning_opkit.core.suspend import suspending_backend
 
-__all__ = ["COMPILE_FAILURES", "ON_RECOMPILE_LIMIT", "backends", "check_compile_args", "make_backend"]
+__all__ = ["ON_RECOMPILE_LIMIT", "backends", "check_compile_args", "make_backend"]
 
 ON_RECOMPILE_LIMIT = ("warn", "eager", "raise")
-
-# What counts as "compilation failed" for `fallback`: the backend, dynamo itself, or (with fullgraph) a graph break.
-# A user's own error met while tracing (``TorchRuntimeError``, ``Observed*``) or a misuse (``UserError``) is not
-# one: it goes through untouched, with nothing switched to eager and nothing run twice.
-COMPILE_FAILURES: tuple[type[BaseException], ...] = (
-    torch._dynamo.exc.BackendCompilerFailed,
-    torch._dynamo.exc.InternalTorchDynamoError,
-    torch._dynamo.exc.Unsupported,
-    torch._dynamo.exc.InvalidBackend,
-    torch._dynamo.exc.UncapturedHigherOrderOpError,
-    torch._dynamo.exc.RecompileError,
-    torch._dynamo.exc.FailOnRecompileLimitHit,
-)
-
 
 def backends() -> list[str]:
     """The ``torch.compile`` backends this torch knows, by name."""
@@ -58,9 +45,7 @@ def check_compile_args(modules: Any, backend: Any, mode: Any, options: Any, dyna
     if not isinstance(backend, str) or backend not in known:
         raise ValueError(f"Expected `backend` to be one of {known}, but got {backend!r}")
     if mode is not None:
-        import torch._inductor
-
-        check_choice("mode", mode, list(torch._inductor.list_mode_options()), " or None")
+        check_choice("mode", mode, inductor_modes(), " or None")
     if options is not None:
         if mode is not None:
             raise ValueError("`mode` and `options` cannot both be set (torch.compile takes one or the other)")
@@ -80,9 +65,7 @@ def _check_options(backend: str, options: Any) -> None:
                          f" {sorted(options)}. Drop `options` or use backend='inductor'.")
     if backend != "inductor":
         return  # a third-party backend reads its own options
-    import torch._inductor.config
-
-    defaults = torch._inductor.config.get_config_copy()
+    defaults = inductor_defaults()
     bad = [k for k in options if k not in defaults]
     if bad:
         hints = {k: difflib.get_close_matches(k, list(defaults), n=3) for k in bad}
@@ -117,8 +100,4 @@ def make_backend(name: str, mode: str | None, options: dict[str, Any] | None,
         options: Inductor options.
         dynamic: dynamic shapes.
     """
-    if name == "inductor":
-        backend: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
-    else:
-        backend = torch._TorchCompileWrapper(name, mode, options, dynamic)
-    return suspending_backend(backend)
+    return suspending_backend(backend_callable(name, mode, options, dynamic))

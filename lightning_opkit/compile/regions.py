@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["REGION_HEADERS", "Region", "cache_entries", "compiled_code", "recompile_limit"]
+__all__ = ["REGION_HEADERS", "Region", "compiled_code", "recompile_limit"]
 
 
 @dataclass
@@ -52,15 +52,6 @@ class Region:
 
 REGION_HEADERS = ["region", "calls", "compiles", "compile s", "graphs", "graph breaks", "recompiles",
                   "of them expected", "speedup (eager/compiled)", "runs"]
-
-
-def cache_entries(code: Any) -> int:
-    """Dynamo cache entries of a code object: what ``recompile_limit`` counts."""
-    if code is None:
-        return 0
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return len(_debug_get_cache_entry_list(code))
 
 
 def compiled_code(compiled: Any) -> Any:

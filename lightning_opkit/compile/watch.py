@@ -6,18 +6,13 @@ every change it makes when closed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import time
 from collections import Counter
 from typing import Any
 
-import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
-
-_RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
+from lightning_opkit.core.dynamo_compat import RECOMPILES_LOGGER, counters, recompiles_artifact, watch_compiles
 
 
 class _Collect(logging.Handler):
@@ -48,31 +43,30 @@ class DynamoWatch:
         #: the compiled region being called (set by TorchCompile around each call): its compiles are charged to it
         self.region: Any = None
         self._at_start: tuple[int, int] = (0, 0)
-        self._base_breaks: Counter[str] = Counter(counters["graph_break"])
+        found = counters()
+        self._base_breaks: Counter[str] = Counter(found["graph_break"])
         self._base_break_total = sum(self._base_breaks.values())
-        self._base_graphs = counters["stats"]["unique_graphs"]
+        self._base_graphs = found["stats"]["unique_graphs"]
         # before open() nothing was watched: a TorchCompile that never set up reports 0, not dynamo's process totals
-        self._base_frames = counters["frames"]["ok"]
-        self._base_attempted = counters["frames"]["total"]
+        self._base_frames = found["frames"]["ok"]
+        self._base_attempted = found["frames"]["total"]
         self._handler: _Collect | None = None
         self._logger_state: tuple[int, bool] | None = None
         self._enabled_artifact = False
 
     def open(self) -> None:
         """Start watching: register callbacks and the recompile log handler."""
-        self._base_breaks = Counter(counters["graph_break"])
+        found = counters()
+        self._base_breaks = Counter(found["graph_break"])
         self._base_break_total = sum(self._base_breaks.values())
-        self._base_graphs = counters["stats"]["unique_graphs"]
-        self._base_frames = counters["frames"]["ok"]
-        self._base_attempted = counters["frames"]["total"]
-        torch._dynamo.callback_handler.register_start_callback(self._on_start)
-        torch._dynamo.callback_handler.register_end_callback(self._on_end)
-        from torch._logging._internal import log_state
-
-        if not log_state.is_artifact_enabled("recompiles"):
-            log_state.enable_artifact("recompiles")
+        self._base_graphs = found["stats"]["unique_graphs"]
+        self._base_frames = found["frames"]["ok"]
+        self._base_attempted = found["frames"]["total"]
+        watch_compiles(self._on_start, self._on_end, on=True)
+        if not recompiles_artifact():
+            recompiles_artifact(enable=True)
             self._enabled_artifact = True
-        logger = logging.getLogger(_RECOMPILES_LOGGER)
+        logger = logging.getLogger(RECOMPILES_LOGGER)
         self._logger_state = (logger.level, logger.propagate)
         self._handler = _Collect(self.recompile_reasons)
         logger.addHandler(self._handler)
@@ -84,19 +78,14 @@ class DynamoWatch:
         """Stop watching and undo every change (idempotent)."""
         if self._handler is None:
             return
-        for remove, fn in ((torch._dynamo.callback_handler.remove_start_callback, self._on_start),
-                           (torch._dynamo.callback_handler.remove_end_callback, self._on_end)):
-            with contextlib.suppress(ValueError):  # never registered: watch() failed half-way
-                remove(fn)
-        logger = logging.getLogger(_RECOMPILES_LOGGER)
+        watch_compiles(self._on_start, self._on_end, on=False)  # never registered (open failed half-way): no error
+        logger = logging.getLogger(RECOMPILES_LOGGER)
         logger.removeHandler(self._handler)
         if self._logger_state is not None:
             logger.setLevel(self._logger_state[0])
             logger.propagate = self._logger_state[1]
         if self._enabled_artifact:
-            from torch._logging._internal import log_state
-
-            log_state.artifact_names.discard("recompiles")
+            recompiles_artifact(enable=False)
             self._enabled_artifact = False
         self._handler = None
 
@@ -121,26 +110,26 @@ class DynamoWatch:
     @property
     def graph_break_total(self) -> int:
         """Graph breaks since :meth:`open`, all reasons together."""
-        return sum(counters["graph_break"].values()) - self._base_break_total
+        return sum(counters()["graph_break"].values()) - self._base_break_total
 
     @property
     def graphs(self) -> int:
         """Graphs compiled since :meth:`open`."""
-        return counters["stats"]["unique_graphs"] - self._base_graphs
+        return counters()["stats"]["unique_graphs"] - self._base_graphs
 
     @property
     def frames(self) -> int:
         """Frames dynamo converted since :meth:`open` (0 means no compiled code ran)."""
-        return counters["frames"]["ok"] - self._base_frames
+        return counters()["frames"]["ok"] - self._base_frames
 
     @property
     def frames_attempted(self) -> int:
         """Frames dynamo tried to convert since :meth:`open`, converted or skipped."""
-        return counters["frames"]["total"] - self._base_attempted
+        return counters()["frames"]["total"] - self._base_attempted
 
     def graph_breaks(self) -> dict[str, int]:
         """Graph-break reason -> count, since :meth:`open`."""
-        now = Counter(counters["graph_break"])
+        now = Counter(counters()["graph_break"])
         now.subtract(self._base_breaks)
         return {reason.split("\n\n")[0].strip(): n for reason, n in now.items() if n > 0}
 

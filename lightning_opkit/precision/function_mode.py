@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_opkit.core.dynamo_compat import skip_code
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.recompute import RECOMPUTING
@@ -267,6 +268,4 @@ def keep_out_of_dynamo_frames() -> None:
     # breaks it would also compile ``__torch_function__`` as a frame of its own, where the constant-folded op class
     # ignores ``func`` and a graph traced for one op is replayed for another (``Tensor.dtype`` returning 3). Skipping
     # that frame keeps the mode eager there and traced where it is inlined.
-    from torch._dynamo.eval_frame import skip_code
-
     skip_code(PolicyMode.__torch_function__.__code__)

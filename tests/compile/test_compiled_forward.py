@@ -1,6 +1,6 @@
 """One compiled region at run time (compile/compiled_forward.py), Trainer-free: its calls counted and run compiled
 (dynamo's own cache says so), a compile failure rerun eagerly and reported, a region measured slower compiled
-switched to eager on its own calls, and the stance dynamo is in read back."""
+switched to eager on its own calls."""
 
 import time
 
@@ -8,9 +8,10 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from lightning_opkit.compile.compiled_forward import CompiledForward, RegionHooks, speed_trial, stance
-from lightning_opkit.compile.regions import Region, cache_entries, compiled_code
+from lightning_opkit.compile.compiled_forward import CompiledForward, RegionHooks, speed_trial
+from lightning_opkit.compile.regions import Region, compiled_code
 from lightning_opkit.compile.watch import DynamoWatch
+from lightning_opkit.core.dynamo_compat import cache_entries
 
 
 def _region(backend, **hooks):
@@ -77,10 +78,3 @@ def test_a_region_slower_compiled_than_eager_is_switched_to_eager_by_its_own_cal
     assert len(ran_compiled) == before  # eager from now on: the compiled code is not run
     trial = speed_trial()
     assert [trial.next() for _ in range(4)] == ["warmup", "warmup", "compiled", "eager"]
-
-
-def test_the_stance_is_dynamo_s():
-    assert stance() == "default"
-    with torch.compiler.set_stance("force_eager"):
-        assert stance() == "force_eager"
-    assert stance() == "default"

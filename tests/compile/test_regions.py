@@ -1,29 +1,10 @@
-"""Compiled regions (compile/regions.py), Trainer-free: dynamo's cache entries per code object counted on a real
-torch.compile (the private list opkit reads is where it looks), the recompile limit as dynamo's config says, a
-region's row."""
+"""Compiled regions (compile/regions.py), Trainer-free: the recompile limit as dynamo's config says, a region's row
+(the cache entries each region's code holds: tests/core/test_dynamo_compat.py)."""
 
 import torch
 import torch._dynamo
 
-from lightning_opkit.compile.regions import REGION_HEADERS, Region, cache_entries, compiled_code, recompile_limit
-
-
-def test_cache_entries_count_one_per_compiled_shape_on_a_real_compile():
-    torch._dynamo.reset()
-
-    def double(x):
-        return x * 2
-
-    compiled = torch.compile(double, backend="eager", dynamic=False)
-    code = compiled_code(compiled)
-    assert code is double.__code__
-    assert cache_entries(code) == 0
-    compiled(torch.ones(2))
-    assert cache_entries(code) == 1
-    compiled(torch.ones(3))  # a new static shape: a second entry
-    assert cache_entries(code) == 2
-    assert cache_entries(None) == 0
-    torch._dynamo.reset()
+from lightning_opkit.compile.regions import REGION_HEADERS, Region, recompile_limit
 
 
 def test_the_recompile_limit_is_dynamo_s():

@@ -1,0 +1,121 @@
+"""Private names of dynamo and Inductor that opkit reads or calls, each behind one name here.
+
+``torch.compile`` has a public surface (``torch.compile``, ``torch.compiler.set_stance``, ``torch.compiler.disable``);
+what TorchCompile reports and decides needs more: the stance in force, a code object's cache entries, dynamo's
+counters and compile callbacks, the ``recompiles`` log artifact, the backend wrappers ``torch.compile`` builds from a
+name, Inductor's modes and options, the exceptions that mean "compilation failed". None has a public name on the
+supported releases; a torch that moves one is mended in this file (``tests/core/test_dynamo_compat.py`` finds each on
+the running torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+
+__all__ = ["COMPILE_FAILURES", "RECOMPILES_LOGGER", "backend_callable", "cache_entries", "counters",
+           "inductor_defaults", "inductor_modes", "recompiles_artifact", "skip_code", "stance", "watch_compiles"]
+
+# What counts as "compilation failed" for TorchCompile's `fallback`: the backend, dynamo itself, or (with fullgraph) a
+# graph break. A user's own error met while tracing (``TorchRuntimeError``, ``Observed*``) or a misuse (``UserError``)
+# is not one: it goes through untouched, with nothing switched to eager and nothing run twice.
+COMPILE_FAILURES: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.BackendCompilerFailed,
+    torch._dynamo.exc.InternalTorchDynamoError,
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.InvalidBackend,
+    torch._dynamo.exc.UncapturedHigherOrderOpError,
+    torch._dynamo.exc.RecompileError,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
+
+#: the logger dynamo writes each recompile's failed guard to, once the ``recompiles`` artifact is on
+RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
+
+
+def stance() -> str:
+    """The stance ``torch.compiler.set_stance`` put in force (``"default"`` unless something forces eager).
+
+    Example:
+        >>> with torch.compiler.set_stance("force_eager"):
+        ...     stance()
+        'force_eager'
+    """
+    from torch._dynamo.eval_frame import _stance
+
+    return _stance.stance
+
+
+def cache_entries(code: Any) -> int:
+    """Dynamo's cache entries of a code object: the compiled versions ``recompile_limit`` counts (0 for ``None``)."""
+    if code is None:
+        return 0
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code))
+
+
+def skip_code(code: Any) -> None:
+    """Never compile ``code`` as a frame of its own (dynamo still inlines it into a frame that calls it)."""
+    from torch._dynamo.eval_frame import skip_code as skip
+
+    skip(code)
+
+
+def counters() -> Any:
+    """The process-wide counters of dynamo: ``frames`` (``ok``, ``total``), ``stats``, ``graph_break``."""
+    from torch._dynamo.utils import counters as found
+
+    return found
+
+
+def watch_compiles(start: Callable[..., Any], end: Callable[..., Any], on: bool) -> None:
+    """Register (``on``) or remove the callbacks dynamo calls as each compilation starts and ends.
+
+    Removing a callback never registered is no error (a watch closed after a half-done open).
+    """
+    handler = torch._dynamo.callback_handler
+    if on:
+        handler.register_start_callback(start)
+        handler.register_end_callback(end)
+        return
+    for remove, fn in ((handler.remove_start_callback, start), (handler.remove_end_callback, end)):
+        with contextlib.suppress(ValueError):
+            remove(fn)
+
+
+def recompiles_artifact(enable: bool | None = None) -> bool:
+    """Whether dynamo logs recompile reasons (its ``recompiles`` artifact); ``enable`` turns it on or off first."""
+    from torch._logging._internal import log_state
+
+    if enable is True:
+        log_state.enable_artifact("recompiles")
+    elif enable is False:
+        log_state.artifact_names.discard("recompiles")
+    return bool(log_state.is_artifact_enabled("recompiles"))
+
+
+def backend_callable(name: str, mode: str | None, options: dict[str, Any] | None,
+                     dynamic: bool | None) -> Callable[..., Any]:
+    """The backend callable ``torch.compile`` builds from a backend name, a mode and options."""
+    if name == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    return torch._TorchCompileWrapper(name, mode, options, dynamic)
+
+
+def inductor_modes() -> list[str]:
+    """Inductor's ``mode`` names (``"default"``, ``"reduce-overhead"``, ...)."""
+    import torch._inductor
+
+    return list(torch._inductor.list_mode_options())
+
+
+def inductor_defaults() -> dict[str, Any]:
+    """Inductor's options and their defaults, by name: what ``torch.compile(options=...)`` may set."""
+    import torch._inductor.config
+
+    return dict(torch._inductor.config.get_config_copy())

@@ -1,0 +1,109 @@
+"""Private names of dynamo and Inductor behind core/dynamo_compat.py, each used for real on the running torch: a
+release that moves one fails here first."""
+
+import logging
+
+import torch
+import torch._dynamo
+
+from lightning_opkit.compile.regions import compiled_code
+from lightning_opkit.core.dynamo_compat import (
+    COMPILE_FAILURES,
+    RECOMPILES_LOGGER,
+    backend_callable,
+    cache_entries,
+    counters,
+    inductor_defaults,
+    inductor_modes,
+    recompiles_artifact,
+    skip_code,
+    stance,
+    watch_compiles,
+)
+
+
+def test_cache_entries_count_one_per_compiled_shape_on_a_real_compile():
+    torch._dynamo.reset()
+
+    def double(x):
+        return x * 2
+
+    compiled = torch.compile(double, backend="eager", dynamic=False)
+    code = compiled_code(compiled)
+    assert code is double.__code__
+    assert cache_entries(code) == 0
+    compiled(torch.ones(2))
+    assert cache_entries(code) == 1
+    compiled(torch.ones(3))  # a new static shape: a second entry
+    assert cache_entries(code) == 2
+    assert cache_entries(None) == 0
+    torch._dynamo.reset()
+
+
+def test_the_stance_is_the_one_set_stance_put_in_force():
+    assert stance() == "default"
+    with torch.compiler.set_stance("force_eager"):
+        assert stance() == "force_eager"
+    assert stance() == "default"
+
+
+def test_a_skipped_code_is_never_compiled_as_a_frame_of_its_own():
+    torch._dynamo.reset()
+
+    def skipped(x):
+        return x + 1
+
+    skip_code(skipped.__code__)
+    compiled = torch.compile(skipped, backend="eager")
+    compiled(torch.ones(2))
+    assert cache_entries(skipped.__code__) == 0
+    torch._dynamo.reset()
+
+
+def test_counters_callbacks_and_the_recompile_log_see_a_real_recompile():
+    torch._dynamo.reset()
+    events, reasons = [], []
+
+    def start(*args):
+        events.append("start")
+
+    def end(*args):
+        events.append("end")
+
+    handler = logging.Handler()
+    handler.emit = lambda record: reasons.append(record.getMessage())
+    logger = logging.getLogger(RECOMPILES_LOGGER)
+    was_on = recompiles_artifact()
+    recompiles_artifact(enable=True)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    frames = counters()["frames"]["ok"]
+    watch_compiles(start, end, on=True)
+    try:
+        compiled = torch.compile(lambda x: x * 3, backend="eager", dynamic=False)
+        compiled(torch.ones(2))
+        compiled(torch.ones(3))  # a failed size guard: a recompile, logged with its reason
+    finally:
+        watch_compiles(start, end, on=False)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        recompiles_artifact(enable=was_on)
+    assert events == ["start", "end", "start", "end"]
+    assert counters()["frames"]["ok"] - frames == 2
+    assert any("size mismatch" in r or "size()" in r for r in reasons), reasons
+    watch_compiles(start, end, on=False)  # removing again is no error
+    torch._dynamo.reset()
+
+
+def test_the_backend_callables_and_inductor_s_names_are_torch_compile_s():
+    eager = backend_callable("eager", None, None, None)
+    f = torch.compile(lambda x: x - 1, backend=eager)
+    assert f(torch.ones(2)).tolist() == [0.0, 0.0]
+    assert callable(backend_callable("inductor", "default", None, None))
+    assert {"default", "reduce-overhead", "max-autotune"} <= set(inductor_modes())
+    defaults = inductor_defaults()
+    assert "max_autotune" in defaults
+    assert isinstance(defaults["max_autotune"], bool)
+    assert all(issubclass(e, BaseException) for e in COMPILE_FAILURES)
+    torch._dynamo.reset()
