@@ -18,7 +18,7 @@ from lightning_opkit.core.kit import PinsModules, offering
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.report import NaNReport, NonFiniteError, amended, format_report
-from lightning_opkit.nan.skip import BatchState, StepSkipper
+from lightning_opkit.nan.skip import StepSkipper
 
 __all__ = ["Actions", "pinner"]
 
@@ -84,7 +84,7 @@ class Actions:
         if not late or self.action == "stop":
             # the optimizer step itself is left out (see skip.py); a step late, with stop, the next one is: the run
             # ends on the weights from before the bad batch
-            self._skipper.state = BatchState.SKIP_PENDING
+            self._skipper.leave_out_step()
         self.skipped_steps += 1
         self.consecutive_skips += 1
         self._log(trainer, report)

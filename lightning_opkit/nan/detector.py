@@ -268,7 +268,7 @@ class NaNDetector(OpkitCallback):
         self._pending.clear()
         self._stepped = False
         self._device.late = None
-        self._skipper.state, self._skipper.found_inf = BatchState.UNCHECKED, None
+        self._skipper.reset()
         self._skipper.watch_schedulers([])
         self._skipper.watch_scaler(None)
         self._actions.repairs.release()
@@ -336,7 +336,7 @@ class NaNDetector(OpkitCallback):
                 self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, scores)
         elif kind == "scaler overflow" and scaler is not None:
             # the GradScaler skips the step and lowers its scale; the scale is read (a sync) only on such a step
-            self._skipper.state = BatchState.SCALER_SKIP
+            self._skipper.scaler_skips()
             scale = float(scaler.get_scale())
             if self._scale_watch.skipped_step(scale):
                 self._actions.collapsed(trainer, pl_module, self._replays.collapse_report(

@@ -150,9 +150,7 @@ class DeviceDecision:
             step: the global step.
             epoch: the epoch.
         """
-        bad = found[:2].isinf().any().float()  # non-finite values come as +inf
-        skipper.found_inf = bad  # the fused optimizer leaves the update out where it is 1
-        skipper.restore_buffers_where(bad)
+        skipper.leave_out_where(found[:2].isinf().any().float())  # non-finite values come as +inf
         self.late = _Late(pending, HostCopy(found), step, epoch)
 
     def settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, replays: Replays, actions: Actions,

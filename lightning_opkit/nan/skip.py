@@ -80,7 +80,7 @@ class StepSkipper:
         >>> skipper = StepSkipper(Patches())
         >>> skipper.wrap_optimizer(opt)
         >>> model(torch.ones(1, 2)).sum().backward()
-        >>> skipper.state = BatchState.SKIP_PENDING
+        >>> skipper.leave_out_step()
         >>> before = model.weight.clone()
         >>> _ = opt.step(lambda: None)
         >>> torch.equal(before, model.weight), model.weight.grad, skipper.state.name
@@ -88,7 +88,7 @@ class StepSkipper:
     """
 
     def __init__(self, patches: Patches) -> None:
-        self.state = BatchState.UNCHECKED
+        self._state = BatchState.UNCHECKED
         self._patches = patches
         self._schedulers: list[tuple[Any, torch.optim.Optimizer]] = []
         self._scaler: Any = None
@@ -96,8 +96,38 @@ class StepSkipper:
         self._schedules: list[tuple[Any, dict[str, Any], list[dict[str, Any]]]] = []
         self._buffers: list[Tensor] = []
         self._saved: list[Tensor] = []
-        #: with ``decide="device"``: this step's flag (a 0-d tensor), handed to the next optimizer step's ``found_inf``
-        self.found_inf: Tensor | None = None
+        # with ``decide="device"``: this step's flag (a 0-d tensor), handed to the next optimizer step's ``found_inf``
+        self._found_inf: Tensor | None = None
+
+    @property
+    def state(self) -> BatchState:
+        """Where the current batch stands; changed only by this class's methods, each named for its transition."""
+        return self._state
+
+    @property
+    def found_inf(self) -> Tensor | None:
+        """With ``decide="device"``: the flag the next optimizer step takes as its ``found_inf`` (``None``: none)."""
+        return self._found_inf
+
+    def leave_out_step(self) -> None:
+        """The check failed and the action skips: the optimizer step about to run is left out (``SKIP_PENDING``)."""
+        self._state = BatchState.SKIP_PENDING
+
+    def scaler_skips(self) -> None:
+        """fp16 loss scaling overflowed: the GradScaler skips this step itself (``SCALER_SKIP``)."""
+        self._state = BatchState.SCALER_SKIP
+
+    def leave_out_where(self, bad: Tensor) -> None:
+        """``decide="device"``: leave the next update out, and put the buffers back, where ``bad`` (a 0-d tensor) is 1.
+
+        Both on the device, with no host sync: the fused optimizer reads ``bad`` as its ``found_inf``.
+        """
+        self._found_inf = bad
+        self.restore_buffers_where(bad)
+
+    def reset(self) -> None:
+        """Back to no batch at all (a fit's end, an exception): nothing pending."""
+        self._state, self._found_inf = BatchState.UNCHECKED, None
 
     @property
     def step_left_out(self) -> bool:
@@ -106,7 +136,7 @@ class StepSkipper:
 
     def begin_batch(self, checking: bool, save_buffers: bool) -> None:
         """At a batch's start: checked or not; save the buffers when a new optimizer step begins."""
-        self.state = BatchState.CHECKING if checking else BatchState.UNCHECKED
+        self._state = BatchState.CHECKING if checking else BatchState.UNCHECKED
         if checking and self._schedulers:
             self._save_schedules()
         if checking and self._scaler is not None:
@@ -207,7 +237,7 @@ class StepSkipper:
         # clipping. Running the closure first lets the step itself be left out, rather than relying on every
         # optimizer to ignore parameters without gradients (weight decay would still move them).
         def step_now(**kwargs: Any) -> Any:
-            found_inf, self.found_inf = self.found_inf, None
+            found_inf, self._found_inf = self._found_inf, None
             return step(**kwargs) if found_inf is None else with_found_inf(optimizer, found_inf, step, **kwargs)
 
         def skippable_step(closure: Any = None, **kwargs: Any) -> Any:
@@ -233,7 +263,7 @@ class StepSkipper:
 
     def _take_pending(self) -> bool:
         if self.state is BatchState.SKIP_PENDING:
-            self.state, self.found_inf = BatchState.SKIPPED, None
+            self._state, self._found_inf = BatchState.SKIPPED, None
             return True
         # a manually optimized batch's later steps (another optimizer's) go with the one left out
         return self.state is BatchState.SKIPPED

@@ -36,7 +36,7 @@ def trainer():
 def test_skip_leaves_the_step_out_counts_and_raises_past_the_limit(trainer):
     actions, skipper, logged = _actions("skip", limit=2)
     for _ in range(2):
-        skipper.state = BatchState.CHECKING
+        skipper.begin_batch(checking=True, save_buffers=False)
         actions.act(trainer, nn.Linear(2, 2), _report())
         assert skipper.state is BatchState.SKIP_PENDING
     assert (actions.skipped_steps, actions.consecutive_skips, len(logged)) == (2, 2, 2)
