@@ -179,7 +179,7 @@ def test_checkpoint_fixture_is_the_flat_layouts():
 
 
 #: files a skipped non-finite step runs functions in, today; issue 52's target is 12 (docs/architecture.md)
-NAN_PATH_FILES = 22
+NAN_PATH_FILES = 21
 
 
 def test_the_nan_path_in_the_architecture_page_is_the_path_a_skipped_step_takes(tmp_path):

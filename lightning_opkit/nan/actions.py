@@ -2,14 +2,14 @@
 
 The detector finds a fault and a replay builds its report (:mod:`~lightning_opkit.nan.replays`); from there the
 report goes through :class:`Actions` alone: amended with the repair (:mod:`~lightning_opkit.nan.repair`) or with what
-loss scaling cannot do, kept, written (the detector's writer), and acted on: ``raise`` a :class:`NonFiniteError`,
-``skip`` the optimizer step (:mod:`~lightning_opkit.nan.skip`), ``warn`` once a kind of fault, or ``stop``.
+loss scaling cannot do, kept, written with the run's counters (to the writer the detector opened), and acted on:
+``raise`` a :class:`NonFiniteError`, ``skip`` the optimizer step (:mod:`~lightning_opkit.nan.skip`), ``warn`` once a
+kind of fault, or ``stop``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
@@ -17,8 +17,12 @@ from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import PinsModules, offering
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.repair import Repairs
-from lightning_opkit.nan.report import NaNReport, NonFiniteError, amended, format_report
+from lightning_opkit.nan.report import NaNReport, NonFiniteError, amended, format_report, write_report
 from lightning_opkit.nan.skip import StepSkipper
+
+if TYPE_CHECKING:
+    from lightning_opkit.core.logging import LogWriter
+    from lightning_opkit.nan.dead import DeadWatch
 
 __all__ = ["Actions", "pinner"]
 
@@ -36,19 +40,21 @@ class Actions:
         max_consecutive_skips: with ``"skip"``, raise once this many steps in a row were skipped.
         repair: pin a precision fault's culprit to fp32 when the run goes on.
         skipper: the detector's step skipper (a skipped step is left out there).
-        log: writes a report (and the counters) where the detector writes.
+        dead: the detector's dead-parameter watch, if any (its count is one of the counters written).
 
     Example:
         >>> from lightning_opkit.core.patch import Patches
-        >>> actions = Actions("skip", 2, repair=False, skipper=StepSkipper(Patches()), log=lambda trainer, report: None)
+        >>> actions = Actions("skip", 2, repair=False, skipper=StepSkipper(Patches()))
         >>> actions.goes_on, actions.skipped_steps, actions.reports
         (True, 0, [])
     """
 
     def __init__(self, action: str, max_consecutive_skips: int, repair: bool, skipper: StepSkipper,
-                 log: Callable[[pl.Trainer, NaNReport], None]) -> None:
+                 dead: DeadWatch | None = None) -> None:
         self.action, self.max_consecutive_skips, self.repair = action, max_consecutive_skips, repair
-        self._skipper, self._log = skipper, log
+        self._skipper, self._dead = skipper, dead
+        #: where reports and counters are written: the detector's writer for the stage running (``None``: nowhere)
+        self.writer: LogWriter | None = None
         #: every event of this run, typed
         self.reports: list[NaNReport] = []
         self.skipped_steps = 0
@@ -60,6 +66,21 @@ class Actions:
         """Whether the run goes on after one more fault: ``warn``, or ``skip`` under its limit."""
         return self.action == "warn" or (
             self.action == "skip" and self.consecutive_skips + 1 <= self.max_consecutive_skips)
+
+    def counters(self) -> dict[str, float | None]:
+        """The ``opkit/nan/*`` counters: events, skipped and consecutive skips, repairs, spikes, dead parameters."""
+        return {"events": len(self.reports), "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips, "repairs": len(self.repairs.pinned),
+                "spikes": sum(r.kind == "spike" for r in self.reports),
+                "dead_parameters": len(self._dead.found) if self._dead is not None else None}
+
+    def write(self, trainer: pl.Trainer, report: NaNReport | None = None) -> None:
+        """Write the counters, and ``report`` if given, at the Trainer's step (nothing without a writer)."""
+        if self.writer is None:
+            return
+        self.writer.scalars("opkit/nan", self.counters(), trainer.global_step)
+        if report is not None:
+            write_report(self.writer, report, trainer.global_step)
 
     def good_step(self) -> None:
         """A checked step was finite: the run of skipped steps is over."""
@@ -75,11 +96,11 @@ class Actions:
         if not late or not goes_on:
             self._skipper.restore_buffers()
         if self.action == "skip" and not goes_on:
-            self._log(trainer, report)
+            self.write(trainer, report)
             raise NonFiniteError(report, reason=f"NaNDetector skipped {self.consecutive_skips} steps in a row"
                                                 f" (max_consecutive_skips={self.max_consecutive_skips}).")
         if self.action == "raise":
-            self._log(trainer, report)
+            self.write(trainer, report)
             raise NonFiniteError(report)
         if not late or self.action == "stop":
             # the optimizer step itself is left out (see skip.py); a step late, with stop, the next one is: the run
@@ -87,7 +108,7 @@ class Actions:
             self._skipper.leave_out_step()
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        self._log(trainer, report)
+        self.write(trainer, report)
         if self.action == "warn":
             # a fault that repeats is said once; each is counted in TensorBoard and the summary
             warn_once(format_report(report) + (" The optimizer step was skipped on the device (decide='device')."
@@ -99,7 +120,7 @@ class Actions:
     def collapsed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: NaNReport) -> None:
         """A GradScaler's collapse (reported once): the scaler already skips its steps; raise, stop or warn."""
         report = self._kept(trainer, pl_module, report, self.action in ("skip", "warn"))
-        self._log(trainer, report)
+        self.write(trainer, report)
         if self.action == "raise":
             raise NonFiniteError(report, reason="The GradScaler's scale collapsed.")
         if self.action == "stop":

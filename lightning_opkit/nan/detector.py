@@ -31,7 +31,7 @@ from lightning_opkit.nan.check import check, flags, outcome
 from lightning_opkit.nan.dead import DeadWatch, write_dead
 from lightning_opkit.nan.device import DeviceDecision, check_device_decision
 from lightning_opkit.nan.replays import MicroBatch, Replays
-from lightning_opkit.nan.report import NaNReport, NonFiniteError, format_report, write_report
+from lightning_opkit.nan.report import NaNReport, NonFiniteError, format_report
 from lightning_opkit.nan.scaler import ScaleWatch
 from lightning_opkit.nan.skip import BatchState, StepSkipper
 from lightning_opkit.nan.spike_report import Spikes
@@ -150,11 +150,11 @@ class NaNDetector(OpkitCallback):
         self._pending: list[MicroBatch] = []
         self._stepped = False  # an optimizer step was checked on ``_pending`` in this batch
         self._skipper = StepSkipper(self._patches)
-        self._actions = Actions(action, max_consecutive_skips, repair, self._skipper, self._log)
         self._scale_watch = ScaleWatch()
         self._spikes = Spikes(self.spike_zscore or math.inf, spike_window)
         self.dead_after = dead_after
         self._dead = DeadWatch(dead_after) if dead_after is not None else None
+        self._actions = Actions(action, max_consecutive_skips, repair, self._skipper, self._dead)
         self.decide = decide
         self._device = DeviceDecision()
 
@@ -243,7 +243,7 @@ class NaNDetector(OpkitCallback):
             self._spikes.start()
         if self._dead is not None:
             self._dead.start(pl_module)
-        self._open_writer(trainer, stage)
+        self._actions.writer = self._open_writer(trainer, stage)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -272,6 +272,7 @@ class NaNDetector(OpkitCallback):
         self._skipper.watch_schedulers([])
         self._skipper.watch_scaler(None)
         self._actions.repairs.release()
+        self._actions.writer = None
 
     # the cheap per-step path: hooks -> check
 
@@ -356,13 +357,17 @@ class NaNDetector(OpkitCallback):
 
     def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""
-        self._device.settle(trainer, pl_module, self._replays, self._actions,
-                            functools.partial(self._name_dead, trainer, pl_module))
+        late = self._device.take()
+        if late is None:
+            return
+        if late.dead:
+            self._name_dead(trainer, pl_module)
+        self._device.settle(trainer, pl_module, late, self._replays, self._actions)
 
     def _name_dead(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Name, once, the parameters and experts whose gradient stopped: a warning, a table, a scalar."""
         if self._dead is not None and self._dead.name_new(pl_module) and self._writer is not None:
-            self._log_counters(trainer)
+            self._actions.write(trainer)
             write_dead(self._writer, self._dead.found, trainer.global_step)
 
     # what gets logged where
@@ -371,21 +376,10 @@ class NaNDetector(OpkitCallback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._settle(trainer, pl_module)  # the epoch's last checked step, with decide="device"
         # A clean run shows flat zeros in TensorBoard rather than no NaN tags at all.
-        self._log_counters(trainer)
+        self._actions.write(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._settle(trainer, pl_module)
 
-    def _log(self, trainer: pl.Trainer, report: NaNReport) -> None:
-        if self._writer is not None:
-            self._log_counters(trainer)
-            write_report(self._writer, report, trainer.global_step)
 
-    def _log_counters(self, trainer: pl.Trainer) -> None:
-        self._scalars("opkit/nan", {"events": len(self.reports), "skipped_steps": self.skipped_steps,
-                                    "consecutive_skips": self.consecutive_skips,
-                                    "repairs": len(self._actions.repairs.pinned),
-                                    "spikes": sum(r.kind == "spike" for r in self.reports),
-                                    "dead_parameters": len(self._dead.found) if self._dead else None},
-                     trainer.global_step)

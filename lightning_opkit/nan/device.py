@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from lightning_opkit.nan.replays import MicroBatch, Replays
     from lightning_opkit.nan.skip import StepSkipper
 
-__all__ = ["DeviceDecision", "HostCopy", "as_of_step", "check_device_decision", "takes_found_inf"]
+__all__ = ["DeviceDecision", "HostCopy", "Read", "as_of_step", "check_device_decision", "takes_found_inf"]
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -127,6 +127,23 @@ class _Late:
     epoch: int
 
 
+@dataclass
+class Read:
+    """A checked step's flags as read a step late: what it found, and the step it is about.
+
+    Args:
+        late: the step.
+        loss_bad: its loss was non-finite (on some rank).
+        grad_bad: a gradient was non-finite (on some rank).
+        dead: the dead-parameter flag was set.
+    """
+
+    late: _Late
+    loss_bad: bool
+    grad_bad: bool
+    dead: bool
+
+
 class DeviceDecision:
     """``decide="device"``: a checked step's flags left on the device now, read and acted on a step later.
 
@@ -153,28 +170,31 @@ class DeviceDecision:
         skipper.leave_out_where(found[:2].isinf().any().float())  # non-finite values come as +inf
         self.late = _Late(pending, HostCopy(found), step, epoch)
 
-    def settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, replays: Replays, actions: Actions,
-               name_dead: Callable[[], None]) -> None:
-        """Read the step left on the device, if any; report and act on its fault, as of its step.
+    def take(self) -> Read | None:
+        """The step left on the device, if any, read now (the copy has long finished) and taken off."""
+        late, self.late = self.late, None
+        if late is None:
+            return None
+        loss, grad_norm, flagged = read(late.found.read())
+        return Read(late, math.isinf(loss), math.isinf(grad_norm), flagged)
+
+    @staticmethod
+    def settle(trainer: pl.Trainer, pl_module: pl.LightningModule, found: Read, replays: Replays,
+               actions: Actions) -> None:
+        """Report and act on what :meth:`take` read, as of its step.
 
         Args:
             trainer: the Trainer.
             pl_module: the LightningModule.
+            found: what was read.
             replays: the detector's replays (the report).
             actions: the detector's actions (what is done about it).
-            name_dead: names the parameters the step found without a gradient.
         """
-        late, self.late = self.late, None
-        if late is None:
-            return
-        loss, grad_norm, flagged = read(late.found.read())
-        loss_bad, grad_bad = math.isinf(loss), math.isinf(grad_norm)
-        if flagged:
-            name_dead()
-        if not (loss_bad or grad_bad):
+        if not (found.loss_bad or found.grad_bad):
             actions.good_step()
             return
+        late = found.late
         # The weights are still those the bad step ran on: its update was left out on the device.
         with as_of_step(trainer, late.step):
-            report = replays.report(trainer, pl_module, late.pending, loss_bad, None)
+            report = replays.report(trainer, pl_module, late.pending, found.loss_bad, None)
             actions.act(trainer, pl_module, dataclasses.replace(report, epoch=late.epoch), late=True)

@@ -1,14 +1,17 @@
 """What NaNDetector does about a report (nan/actions.py), on a Trainer that never fits: skip up to the limit then
 raise, warn once per kind of fault while counting each, stop, and the repair of a precision fault, kept in state."""
 
+import tempfile
 import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import read_events
 from torch import nn
 
 from lightning_opkit import NonFiniteError
+from lightning_opkit.core.logging import LogWriter
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.warn import OpkitWarning, new_run
 from lightning_opkit.nan.actions import Actions
@@ -21,10 +24,22 @@ def _report(module="1", cause="data_or_model"):
                      Cause(cause, "why"), "skip")
 
 
+class _Written:
+    """The reports written to TensorBoard so far, read back from the event files with EventAccumulator."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return len(read_events(self.folder)[1].get("opkit/nan/report", []))
+
+
 def _actions(action, limit=2, repair=True):
-    logged = []
     skipper = StepSkipper(Patches())
-    return Actions(action, limit, repair, skipper, lambda trainer, report: logged.append(report)), skipper, logged
+    actions = Actions(action, limit, repair, skipper)
+    folder = tempfile.mkdtemp()
+    actions.writer = LogWriter(pl.Trainer(logger=False, enable_progress_bar=False), log_dir=folder)
+    return actions, skipper, _Written(folder)
 
 
 @pytest.fixture
@@ -93,3 +108,16 @@ def test_raise_raises_with_the_report_and_repairs_nothing(trainer):
     assert caught.value.report["module"] == "1"
     assert len(logged) == 1
     assert actions.repairs.pinned == {}  # the run does not go on: nothing to repair for
+
+
+def test_each_report_is_written_with_the_run_s_counters(trainer):
+    actions, skipper, written = _actions("skip", limit=5)
+    for _ in range(2):
+        skipper.begin_batch(checking=True, save_buffers=False)
+        actions.act(trainer, nn.Linear(2, 2), _report())
+    scalars, _ = read_events(written.folder)
+    assert scalars["opkit/nan/skipped_steps"][-1][1] == 2.0
+    assert scalars["opkit/nan/events"][-1][1] == 2.0
+    assert "opkit/nan/dead_parameters" not in scalars  # no dead-parameter watch: no such counter
+    assert actions.counters() == {"events": 2, "skipped_steps": 2, "consecutive_skips": 2, "repairs": 0, "spikes": 0,
+                                  "dead_parameters": None}
