@@ -9,6 +9,7 @@ kind of fault, or ``stop``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -138,8 +139,8 @@ class Actions:
                 cause.cause == "precision":
             repair = self.repairs.pin(pl_module, path, pinner(trainer))
             facts_of(trainer).repairs[path] = "fp32"
-        report = amended(report, scaler=scaler, pinned_before=bool(path) and path in self.repairs.pinned and
-                         repair is None, repair=repair)
+        report = amended(dataclasses.replace(report, action=self.action), scaler=scaler,
+                         pinned_before=bool(path) and path in self.repairs.pinned and repair is None, repair=repair)
         self.reports.append(report)
         return report
 

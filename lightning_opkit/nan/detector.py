@@ -146,7 +146,7 @@ class NaNDetector(OpkitCallback):
         self.spike_zscore = None if spike_zscore is None else float(spike_zscore)
         self.spike_window = spike_window
 
-        self._replays = Replays(check_forward, check_backward, check_loss, action)
+        self._replays = Replays(check_forward, check_backward, check_loss)
         self._pending: list[MicroBatch] = []
         self._stepped = False  # an optimizer step was checked on ``_pending`` in this batch
         self._skipper = StepSkipper(self._patches)

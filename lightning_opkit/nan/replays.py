@@ -61,16 +61,18 @@ class Replays:
         forward: watch modules' outputs.
         backward: watch gradients.
         loss: watch the loss.
-        action: the detector's action, written into reports.
+
+    A report's ``action`` is left at its default here: :class:`~lightning_opkit.nan.actions.Actions`, which holds the
+    detector's action, writes it in when it keeps the report.
 
     Example:
-        >>> replays = Replays(forward=True, backward=True, loss=True, action="raise")
+        >>> replays = Replays(forward=True, backward=True, loss=True)
         >>> replays.hooked
         []
     """
 
-    def __init__(self, forward: bool, backward: bool, loss: bool, action: str) -> None:
-        self.forward, self.backward, self.loss, self.action = forward, backward, loss, action
+    def __init__(self, forward: bool, backward: bool, loss: bool) -> None:
+        self.forward, self.backward, self.loss = forward, backward, loss
         #: the modules to localize among (named), set at the fit's setup
         self.hooked: list[tuple[str, torch.nn.Module]] = []
 
@@ -165,7 +167,7 @@ class Replays:
     def new_report(self, trainer: pl.Trainer, batch_idx: int, origin: Origin, cause: Cause | None,
                    rank: int) -> NaNReport:
         """A report at the Trainer's current step and epoch."""
-        return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause, self.action)
+        return NaNReport(trainer.global_step, trainer.current_epoch, batch_idx, rank, origin, cause)
 
     def spike_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spikes: Spikes,
                      pending: list[MicroBatch], checked: Checked, kind: str,
@@ -207,8 +209,7 @@ class Replays:
             set_rng_state(resume_rng)
         # the loss as training_step returned it: Lightning hands on_before_backward it divided by the accumulation
         loss = agree(None if micro.loss is None else micro.loss.float().mean().item() * n)
-        report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause,
-                           self.action)
+        report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause)
         return dataclasses.replace(report, kind="spike", loss=loss, zscore=spikes.watch.scores(checked.values)[
             0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)
 

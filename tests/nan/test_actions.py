@@ -121,3 +121,13 @@ def test_each_report_is_written_with_the_run_s_counters(trainer):
     assert "opkit/nan/dead_parameters" not in scalars  # no dead-parameter watch: no such counter
     assert actions.counters() == {"events": 2, "skipped_steps": 2, "consecutive_skips": 2, "repairs": 0, "spikes": 0,
                                   "dead_parameters": None}
+
+
+def test_the_report_kept_carries_the_action_taken():
+    actions, skipper, _ = _actions("warn")
+    report = NaNReport(3, 0, 3, 0, Origin(phase="forward", module="1"), Cause("data_or_model", "why"))
+    assert report.action == "raise"  # as a replay builds it: the default
+    skipper.begin_batch(checking=True, save_buffers=False)
+    with pytest.warns(OpkitWarning):
+        actions.act(pl.Trainer(logger=False, enable_progress_bar=False), nn.Linear(2, 2), report)
+    assert actions.reports[-1].action == "warn"

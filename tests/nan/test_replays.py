@@ -64,7 +64,7 @@ class _Drive(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step not in (1, 2):
             return
-        replays = Replays(forward=True, backward=True, loss=True, action="skip")
+        replays = Replays(forward=True, backward=True, loss=True)
         replays.hooked = list(pl_module.named_modules())
         before = snapshot(pl_module)
         report = replays.report(trainer, pl_module, self.pending, loss_bad=False, optimizer=optimizer)
@@ -88,7 +88,7 @@ def test_a_forward_fault_is_named_at_its_module_with_its_cause(tmp_path):
     assert report.origin.inf > 0
     assert report.cause is not None
     assert report.cause.cause == "data_or_model"  # inf in fp32 too: no precision to blame
-    assert (report.step, report.batch_idx, report.action) == (2, 2, "skip")
+    assert (report.step, report.batch_idx) == (2, 2)
     assert fault
     assert untouched
     healthy, fault, untouched = found[1]
