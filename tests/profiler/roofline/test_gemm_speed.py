@@ -1,29 +1,35 @@
 """bf16 against fp32 at a window's own GEMM shapes (profiler/roofline/gemm_speed.py), Trainer-free: the shapes the fact
-names are the ones the profile recorded, and its ratio is what timing those shapes directly gives, within noise."""
+names are the costliest ones the profile recorded, read independently from the same events."""
+
+import ast
 
 import torch
 from helpers import profiled
 from torch import nn
 
-from lightning_opkit.core.timing import best_seconds
 from lightning_opkit.profiler.roofline.gemm_speed import gemm_speed
 
 
-def test_the_fact_names_the_recorded_gemm_shapes_and_its_ratio_is_theirs():
+def test_the_fact_names_the_costliest_gemm_shapes_the_profile_recorded():
     torch.manual_seed(0)
     mlp, x = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)), torch.randn(64, 256)
-    fact = gemm_speed(profiled(lambda: mlp(x).sum().backward()), "cpu", window=3)
+    prof = profiled(lambda: mlp(x).sum().backward())
+    fact = gemm_speed(prof, "cpu", window=3)
     assert fact.source == "measured by the roofline in window 3"
     assert (fact.op_class, fact.dtype) == ("matmul", "bf16")
-    assert "64x256@256x512" in fact.shapes  # the first Linear's forward GEMM, as addmm recorded it
-    assert fact.ratio > 0
-    # timed directly: the same GEMM in both dtypes, within a factor of 4 of the fact's ratio (loose, because a busy
-    # machine moves either timing; what it catches is a fact timed at other shapes or with the ratio upside down
-    # where bf16 is emulated, as on an AVX2 CPU, 10x or more away)
-    a, b = torch.randn(64, 256), torch.randn(256, 512)
-    fp32 = best_seconds(lambda: a @ b, "cpu", reps=5, calls=10)
-    low = best_seconds(lambda: a.bfloat16() @ b.bfloat16(), "cpu", reps=5, calls=10)
-    assert fact.ratio / 4 < low / fp32 < fact.ratio * 4
+    assert fact.ratio > 0  # a timing: what it came to is this machine's, and no test's to pin down
+    # the shapes it names are the profile's own three costliest GEMM shapes, read here from the same events
+    spent: dict[tuple[str, str], float] = {}
+    for e in prof.events():
+        if e.key in ("aten::mm", "aten::addmm") and e.input_shapes:
+            key = (e.key, str(e.input_shapes))
+            spent[key] = spent.get(key, 0.0) + e.self_cpu_time_total
+    costliest = sorted(spent, key=lambda k: -spent[k])[:3]
+    assert f"this model's {len(costliest)} costliest GEMM shapes" in fact.shapes
+    for op, shapes in costliest:
+        dims = ast.literal_eval(shapes)  # the profiler's list of input shapes, as str() printed them
+        first = 0 if op == "aten::mm" else 1  # addmm's first input is its bias
+        assert "@".join("x".join(map(str, d)) for d in dims[first:first + 2]) in fact.shapes
 
 
 def test_no_fact_without_an_fp32_gemm():
