@@ -6,32 +6,14 @@ import helpers
 import numpy as np
 import pytest
 import torch
-from helpers import flop_counter, profiled, read_events, read_images, read_layout
+from helpers import flop_counter, read_events, read_images, read_layout
 from PIL import Image
 from torch import nn
 from zoo import build
 
 from lightning_opkit import ProfilerWindows
-from lightning_opkit.core.facts import RunFacts, SpeedFact, facts_of
+from lightning_opkit.core.facts import facts_of
 from lightning_opkit.profiler.roofline.levers import lever as lever_of
-from lightning_opkit.profiler.roofline.peaks import Peaks
-from lightning_opkit.profiler.roofline.report import RooflineReport
-from lightning_opkit.profiler.roofline.work import ClassRoofline, class_rooflines
-
-
-def _counted_and_profiled(case):
-    """FlopCounterMode's counts per op and the roofline's rows of one forward and backward of a zoo case."""
-    model = build(case)
-    batch = next(iter(model.loader()))
-
-    def step():
-        model.model.zero_grad()
-        model.case.loss(model.model, batch).backward()
-
-    with flop_counter() as counter:
-        step()
-    return {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}, class_rooflines(profiled(step))
-
 
 # ---- in a real run: logged per window, read back from the event files
 
@@ -103,24 +85,6 @@ def test_op_class_time_in_the_roofline_is_the_op_class_share_time(tmp_path):
 
 
 # ---- the lever: only what the measurement supports
-
-
-def _gemm_row():
-    torch.manual_seed(0)
-    mlp, x = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)), torch.randn(256, 512)
-    return class_rooflines(profiled(lambda: mlp(x).sum().backward()))
-
-
-def _compute_bound_matmul():
-    # 1 TFLOP in 2 s against a 1 TFLOP/s fp32 roof: compute-bound at 50%
-    peaks = Peaks("cpu", {"fp32": 1.0, "bf16": 4.0}, 100.0)
-    return {"matmul": ClassRoofline("matmul", {"fp32": 1e12}, bytes=1e9, seconds=2.0, calls=10)}, peaks
-
-
-def _lever(facts):
-    rows, peaks = _compute_bound_matmul()
-    assert rows["matmul"].bound(peaks)[0] == "compute"
-    return lever_of(rows["matmul"], RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=facts))
 
 
 class Wide(helpers.pl.LightningModule):
@@ -220,15 +184,6 @@ def test_mfu_charges_each_dtype_at_its_own_peak_under_a_precision_policy(tmp_pat
 
 
 # ---- memory layout, measured: channels_last against contiguous at the model's own convolutions
-
-
-def _conv_lever(ratio, current):
-    rows, peaks = _compute_bound_matmul()
-    rows = {"conv": ClassRoofline("conv", {"fp32": 1e12}, bytes=1e9, seconds=2.0, calls=10)}
-    fact = SpeedFact("conv", "channels_last", ratio, "this model's 2 costliest conv shapes", "measured by the roofline",
-                     baseline="contiguous", current=current, passes="forward and backward")
-    report = RooflineReport(rows, peaks, steps=1, step_seconds=2.0, facts=RunFacts(layouts={"conv": fact}))
-    return fact, lever_of(rows["conv"], report)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
