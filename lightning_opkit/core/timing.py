@@ -8,13 +8,14 @@ time per call; on a CPU, between two reads of the host clock.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["StepClock", "best_seconds", "filled_seconds", "per_call_seconds", "sync"]
+__all__ = ["StepClock", "at_shapes", "best_seconds", "filled_seconds", "per_call_seconds", "sync"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -99,6 +100,55 @@ def filled_seconds(fn: Callable[[], Any], device: torch.device | str, fill_s: fl
     one = best_seconds(fn, device, reps=1)
     calls = max(1, min(20, int(fill_s / max(one, 1e-7))))
     return min(one, best_seconds(fn, device, reps=3, calls=calls))
+
+
+#: what :func:`at_shapes` measured, by its key: a model's shapes rarely change within a run, so the same op at the same
+#: shapes (a re-measurement, a later window) is timed once a process
+_AT_SHAPES: dict[tuple[Any, ...], dict[str, float]] = {}
+
+
+def at_shapes(key: tuple[Any, ...], variants: dict[str, Callable[[], Any]], device: torch.device | str,
+              reps: int = 3, fill_s: float = 1e-3, give_up: float | None = None) -> dict[str, float]:
+    """Seconds per call of each variant of one op or module at one run's shapes: the kit's one such timer.
+
+    Each variant is called twice (warm-up: allocator, kernel choice, lazy init; then once timed); then ``reps`` rounds
+    sample every variant in turn (A B C, A B C: drift hits them alike), each sample as many calls back to back as fill
+    ``fill_s`` (at most 20, fixed by the slowest variant's call), and each variant's median is kept. The result is
+    cached under ``key`` (with the device and the variants' names) for the life of the process.
+
+    Args:
+        key: what is timed, at which shapes (hashable).
+        variants: name -> a call of the op or module in that variant (a dtype, a layout); the first is the baseline.
+        device: where it runs.
+        reps: samples per variant.
+        fill_s: about how long a sample should take.
+        give_up: a variant this many times slower than the baseline after its first sample is not sampled again.
+
+    Example:
+        >>> a = torch.ones(64, 64)
+        >>> sorted(at_shapes(("mm", (64, 64)), {"fp32": lambda: a @ a, "bf16": lambda: a.bfloat16() @ a.bfloat16()},
+        ...                  "cpu", reps=2))
+        ['bf16', 'fp32']
+    """
+    cache_key = (str(device), *key, tuple(variants))
+    if cache_key in _AT_SHAPES:
+        return _AT_SHAPES[cache_key]
+    for fn in variants.values():
+        fn()
+    sync(device)
+    base = next(iter(variants))
+    # calls per sample from the slowest variant's one call: a variant 1000x slower (float8 emulated on a CPU) is not
+    # called 20 times a sample because the baseline is fast
+    slowest = max(per_call_seconds(fn, device) for fn in variants.values())
+    calls = max(1, min(20, int(fill_s / max(slowest, 1e-7))))
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(reps):
+        for name, fn in variants.items():
+            if rep and give_up is not None and name != base and samples[name][0] > give_up * samples[base][0]:
+                continue  # clearly slower after one sample: more would not change the verdict
+            samples[name].append(per_call_seconds(fn, device, calls))
+    _AT_SHAPES[cache_key] = {name: statistics.median(values) for name, values in samples.items()}
+    return _AT_SHAPES[cache_key]
 
 
 class StepClock:

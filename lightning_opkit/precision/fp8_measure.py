@@ -32,8 +32,7 @@ from lightning_opkit.core.facts import CLEARLY_SLOWER, FASTER
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import describe_error, markdown_table, times_phrase
-from lightning_opkit.core.timing import per_call_seconds, sync
-from lightning_opkit.core.trial import Trial
+from lightning_opkit.core.timing import at_shapes
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.fp8 import FP8, Float8Linears, gemm_dims, gemm_function, recipe_problem, refusal
 from lightning_opkit.precision.runner import StepRunner, grad_cosine, loss_change, step_error
@@ -176,7 +175,7 @@ def _ms(value: float | None) -> str:
 
 def _timed_pair(dims: tuple[int, int], bias: bool, tokens: Sequence[int], base: str, recipe: str,
                 device: torch.device, reps: int) -> tuple[float, float]:
-    """The median forward + backward of GEMMs at ``tokens`` rows in ``base`` and in float8 (seconds), interleaved."""
+    """The median forward + backward of GEMMs at ``tokens`` rows in ``base`` and in float8 (seconds), side by side."""
     gen = torch.Generator(device=device).manual_seed(0)  # its own stream: the run's RNG does not move
     low = DTYPES[base] or torch.float32
     weight = (torch.randn(dims[1], dims[0], device=device, generator=gen) * dims[0] ** -0.5).requires_grad_()
@@ -197,18 +196,12 @@ def _timed_pair(dims: tuple[int, int], bias: bool, tokens: Sequence[int], base: 
                 out = out + b.to(out.dtype)
             torch.autograd.grad(out, (x, weight), g.to(out.dtype))
 
-    arms = {base: plain, FP8: fp8}
-    trial = Trial(list(arms), rounds=reps)
+    # core/timing's one timer: a warm-up call each (first-shape allocations, torchao's lazy imports), then rounds in
+    # turn; float8 clearly slower after one sample is not sampled again
     with SUSPENDED.scope(), autocast_off():
-        for name, fn in arms.items():  # warm-up: first-shape allocations, torchao's lazy imports
-            trial.add(name, per_call_seconds(fn, device))
-        if trial.ratio(FP8, base) > CLEARLY_SLOWER:
-            return trial.median(base), trial.median(FP8)
-        trial = Trial(list(arms), rounds=reps)
-        for name in trial.order:
-            trial.add(name, per_call_seconds(arms[name], device))
-    sync(device)
-    return trial.median(base), trial.median(FP8)
+        times = at_shapes(("fp8 linear", dims, bias, tuple(tokens), recipe), {base: plain, FP8: fp8}, device,
+                          reps=reps, give_up=CLEARLY_SLOWER)
+    return times[base], times[FP8]
 
 
 def _tokens(runner: StepRunner, modules: Sequence[tuple[str, nn.Module]]) -> tuple[Tensor, list[Tensor | None],

@@ -7,7 +7,7 @@ latency of one op between two synchronizations), interleaved across dtypes so dr
 
 from __future__ import annotations
 
-import statistics
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from lightning_opkit.core.facts import CLEARLY_SLOWER
 from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.text import describe_error
-from lightning_opkit.core.timing import per_call_seconds, sync
+from lightning_opkit.core.timing import at_shapes
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.oplog import OpLog, Stat
@@ -30,13 +30,9 @@ __all__ = ["time_classes"]
 _COVER = 0.9
 _MAX_SHAPES = 3
 # a dtype CLEARLY_SLOWER times slower than fp32 after one repetition is not timed further
-#: each timing sample lasts at least this long (fast ops: several calls per sample, at most _MAX_INNER)
+#: each timing sample lasts about this long (fast ops: several calls per sample)
 _SAMPLE_S = 1e-3
-_MAX_INNER = 20
 
-# (device, op, input shapes and dtypes, dtypes timed) -> dtype -> seconds for one forward + backward; a model's
-# shapes rarely change within a run, so a re-measurement times nothing again
-_TIMES: dict[tuple[Any, ...], dict[torch.dtype, float]] = {}
 
 
 class _OpTimer:
@@ -56,7 +52,6 @@ class _OpTimer:
 
         self.args, self.kwargs = tree_map(leaf, (args, kwargs))
         self.grads: dict[torch.dtype, list[Tensor]] = {}
-        self.inner = 1
 
     def call(self, dtype: torch.dtype) -> None:
         """One forward + backward in ``dtype``, input casts included (queued: no synchronization)."""
@@ -67,38 +62,19 @@ class _OpTimer:
             grads = self.grads.setdefault(dtype, [torch.ones_like(o) for o in outs])
             torch.autograd.grad(outs, self.leaves, grads, allow_unused=True)
 
-    def sample(self, dtype: torch.dtype) -> float:
-        """Seconds per call over ``inner`` calls back to back (fast ops several at a time, above the clock's jitter)."""
-        return per_call_seconds(lambda: self.call(dtype), self.device, self.inner)
 
-
-def _time_op(example: tuple, device: torch.device, dtypes: list[torch.dtype], reps: int) -> dict[torch.dtype, float]:
-    """Median seconds per dtype (``dtypes[0]`` is fp32), samples interleaved so drift hits every dtype alike.
+def _timed(device: torch.device, key: tuple[Any, ...], example: tuple, dtypes: list[torch.dtype],
+           reps: int) -> dict[torch.dtype, float]:
+    """Median seconds per dtype (``dtypes[0]`` is fp32), forward + backward with the input casts (core/timing).
 
     A dtype that fails raises; one clearly slower than fp32 after its first sample is not sampled again.
     """
     _, func, args, kwargs = example
     timer = _OpTimer(func, args, kwargs, device)
-    samples: dict[torch.dtype, list[float]] = {d: [] for d in dtypes}
     with autocast_off(), torch.enable_grad():
-        for d in dtypes:
-            timer.call(d)  # warm-up: allocator, kernel selection, lazy init
-        sync(device)
-        timer.inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(timer.sample(dtypes[0]), 1e-7))))
-        for rep in range(reps):
-            for d in dtypes:
-                if rep and d != dtypes[0] and samples[d][0] > CLEARLY_SLOWER * samples[dtypes[0]][0]:
-                    continue
-                samples[d].append(timer.sample(d))
-    return {d: statistics.median(v) for d, v in samples.items()}
-
-
-def _timed(device: torch.device, key: tuple[Any, ...], example: tuple, dtypes: list[torch.dtype],
-           reps: int) -> dict[torch.dtype, float]:
-    cache_key = (str(device), *key, tuple(dtypes))
-    if cache_key not in _TIMES:
-        _TIMES[cache_key] = _time_op(example, device, dtypes, reps)
-    return _TIMES[cache_key]
+        times = at_shapes(("op", *key), {str(d): functools.partial(timer.call, d) for d in dtypes}, device, reps=reps,
+                          fill_s=_SAMPLE_S, give_up=CLEARLY_SLOWER)
+    return {d: times[str(d)] for d in dtypes}
 
 
 def _pick_shapes(log: OpLog, keys: list[tuple[Any, ...]], base: dict[tuple[Any, ...], float]) -> list[tuple]:

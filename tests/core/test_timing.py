@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from lightning_opkit.core.timing import StepClock, best_seconds, filled_seconds, per_call_seconds, sync
+from lightning_opkit.core.timing import StepClock, at_shapes, best_seconds, filled_seconds, per_call_seconds, sync
 
 
 def _sleeper(seconds: float, calls: list[int]):
@@ -61,3 +61,23 @@ def test_sync_on_a_cpu_is_a_no_op():
     sync("cpu")
     sync(None)
     sync(torch.device("cpu"))
+
+
+def test_at_shapes_samples_in_turn_gives_up_on_a_clearly_slower_variant_and_times_a_shape_once():
+    order: list[str] = []
+
+    def fast():
+        order.append("a")
+
+    def slow():
+        order.append("b")
+        time.sleep(0.05)  # 50 ms: clearly slower than an empty call even on a busy machine
+
+    key = ("a test op", id(order))
+    times = at_shapes(key, {"a": fast, "b": slow}, "cpu", reps=3, fill_s=1e-3, give_up=2.0)
+    # a warm-up call each, one timed call each (the slowest, 50 ms, sets one call per sample), then the rounds in
+    # turn: b, clearly slower after its first sample, is not sampled again
+    assert order == ["a", "b", "a", "b", "a", "b", "a", "a"]
+    assert times["b"] >= 0.05
+    assert at_shapes(key, {"a": fast, "b": slow}, "cpu") is times  # the same shapes again: not timed again
+    assert len(order) == 8

@@ -16,15 +16,13 @@ import torch
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import SpeedFact
-from lightning_opkit.core.timing import filled_seconds
+from lightning_opkit.core.timing import at_shapes
 from lightning_opkit.core.torch_compat import events_with_dtypes
 
 __all__ = ["gemm_speed"]
 
 #: the window's costliest distinct shapes timed
 _MOST = 3
-#: (device, op, shapes, dtype) -> seconds per call: a model's shapes rarely change within a run
-_TIMES: dict[tuple[Any, ...], float] = {}
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
@@ -45,14 +43,14 @@ def _call(op: str, operands: list[torch.Tensor], dtype: torch.dtype) -> Callable
     return lambda: fn(*(t.to(dtype) for t in operands))  # the casts a policy would add are part of the price
 
 
-def _seconds(op: str, shapes: list[list[int]], device: torch.device, dtype: torch.dtype) -> float | None:
-    key = (str(device), op, str(shapes), dtype)
-    if key not in _TIMES:
-        operands = _operands(op, shapes, device)
-        if operands is None:
-            return None
-        _TIMES[key] = filled_seconds(_call(op, operands, dtype), device, fill_s=2e-3)
-    return _TIMES[key]
+def _seconds(op: str, shapes: list[list[int]], device: torch.device, dtype: str) -> tuple[float, float] | None:
+    """``(fp32, dtype)`` seconds per call of the GEMM at these shapes, side by side (core/timing's one timer)."""
+    operands = _operands(op, shapes, device)
+    if operands is None:
+        return None
+    times = at_shapes(("gemm", op, str(shapes)), {"fp32": _call(op, operands, torch.float32),
+                                                  dtype: _call(op, operands, BY_NAME[dtype])}, device, fill_s=2e-3)
+    return times["fp32"], times[dtype]
 
 
 def gemm_speed(prof: Any, device: torch.device | str, window: int, use_device: bool = False,
@@ -84,10 +82,10 @@ def gemm_speed(prof: Any, device: torch.device | str, window: int, use_device: b
     fp32_total = low_total = 0.0
     timed = []
     for op, shapes, _, count in costliest:
-        fp32 = _seconds(op, shapes, device, torch.float32)
-        low = _seconds(op, shapes, device, BY_NAME[dtype])
-        if fp32 is None or low is None or not math.isfinite(fp32 * low):
+        pair = _seconds(op, shapes, device, dtype)
+        if pair is None or not math.isfinite(pair[0] * pair[1]):
             continue
+        fp32, low = pair
         fp32_total += count * fp32
         low_total += count * low
         first = 0 if op in ("aten::mm", "aten::bmm") else 1  # addmm's first input is its bias

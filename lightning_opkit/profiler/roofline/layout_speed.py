@@ -18,15 +18,13 @@ from torch import nn
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import SpeedFact
-from lightning_opkit.core.timing import filled_seconds
+from lightning_opkit.core.timing import at_shapes
 from lightning_opkit.core.torch_compat import events_with_dtypes
 
 __all__ = ["conv_layout", "conv_layout_speed"]
 
 #: the window's costliest distinct convolutions timed
 _MOST = 3
-#: (device, shapes, arguments, dtype, layout) -> seconds per forward and backward
-_TIMES: dict[tuple[Any, ...], float] = {}
 _FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 _CONVS = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
@@ -89,18 +87,18 @@ def _step(shapes: list[list[int]], arguments: list[Any], dtype: torch.dtype, dev
     return run
 
 
-def _seconds(shapes: list[list[int]], arguments: list[Any], dtype: str, device: torch.device,
-             channels_last: bool) -> float | None:
-    key = (str(device), str(shapes), str(arguments), dtype, channels_last)
-    if key not in _TIMES:
-        try:
-            _TIMES[key] = filled_seconds(_step(shapes, arguments, BY_NAME[dtype], device, channels_last), device,
-                                         fill_s=2e-3)
-        except (RuntimeError, TypeError, ValueError, KeyError):
-            # arguments the profiler recorded in another form, a layout this device's library refuses, or no memory
-            # left beside the model: no fact, and the roofline goes on without it
-            return None
-    return _TIMES[key]
+def _seconds(shapes: list[list[int]], arguments: list[Any], dtype: str,
+             device: torch.device) -> tuple[float, float] | None:
+    """``(contiguous, channels_last)`` seconds per forward + backward of the convolution, side by side."""
+    try:
+        times = at_shapes(("conv", str(shapes), str(arguments), dtype), {
+            "contiguous": _step(shapes, arguments, BY_NAME[dtype], device, False),
+            "channels_last": _step(shapes, arguments, BY_NAME[dtype], device, True)}, device, fill_s=2e-3)
+    except (RuntimeError, TypeError, ValueError, KeyError):
+        # arguments the profiler recorded in another form, a layout this device's library refuses, or no memory
+        # left beside the model: no fact, and the roofline goes on without it
+        return None
+    return times["contiguous"], times["channels_last"]
 
 
 def _words(shapes: list[list[int]], arguments: list[Any]) -> str:
@@ -128,10 +126,10 @@ def conv_layout_speed(prof: Any, device: torch.device | str, window: int, curren
     contiguous_total = channels_last_total = 0.0
     timed = []
     for shapes, arguments, dtype, count, _ in _recorded(prof, use_device)[:_MOST]:
-        contiguous = _seconds(shapes, arguments, dtype, device, channels_last=False)
-        channels_last = _seconds(shapes, arguments, dtype, device, channels_last=True)
-        if contiguous is None or channels_last is None or not math.isfinite(contiguous * channels_last):
+        pair = _seconds(shapes, arguments, dtype, device)
+        if pair is None or not math.isfinite(pair[0] * pair[1]):
             continue
+        contiguous, channels_last = pair
         contiguous_total += count * contiguous
         channels_last_total += count * channels_last
         timed.append(_words(shapes, arguments))
