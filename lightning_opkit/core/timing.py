@@ -111,9 +111,9 @@ def at_shapes(key: tuple[Any, ...], variants: dict[str, Callable[[], Any]], devi
               reps: int = 3, fill_s: float = 1e-3, give_up: float | None = None) -> dict[str, float]:
     """Seconds per call of each variant of one op or module at one run's shapes: the kit's one such timer.
 
-    Each variant is called once, timed (warm-up: allocator, kernel choice, lazy init); then ``reps`` rounds sample
-    every variant in turn (A B C, A B C: drift hits them alike), each sample as many calls back to back as fill
-    ``fill_s`` (at most 20, fixed by the slowest warm-up call), and each variant's median is kept. The result is
+    Each variant is called twice (warm-up: allocator, kernel choice, lazy init; then once timed); then ``reps`` rounds
+    sample every variant in turn (A B C, A B C: drift hits them alike), each sample as many calls back to back as fill
+    ``fill_s`` (at most 20, fixed by the slowest variant's call), and each variant's median is kept. The result is
     cached under ``key`` (with the device and the variants' names) for the life of the process.
 
     Args:
@@ -133,9 +133,12 @@ def at_shapes(key: tuple[Any, ...], variants: dict[str, Callable[[], Any]], devi
     cache_key = (str(device), *key, tuple(variants))
     if cache_key in _AT_SHAPES:
         return _AT_SHAPES[cache_key]
+    for fn in variants.values():
+        fn()
+    sync(device)
     base = next(iter(variants))
-    # the warm-up calls, timed: calls per sample from the slowest (its first call overstates it: fewer calls, never
-    # more), so a variant 1000x slower (float8 emulated on a CPU) is not called 20 times a sample
+    # calls per sample from the slowest variant's one call: a variant 1000x slower (float8 emulated on a CPU) is not
+    # called 20 times a sample because the baseline is fast
     slowest = max(per_call_seconds(fn, device) for fn in variants.values())
     calls = max(1, min(20, int(fill_s / max(slowest, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in variants}

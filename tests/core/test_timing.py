@@ -75,9 +75,9 @@ def test_at_shapes_samples_in_turn_gives_up_on_a_clearly_slower_variant_and_time
 
     key = ("a test op", id(order))
     times = at_shapes(key, {"a": fast, "b": slow}, "cpu", reps=3, fill_s=1e-3, give_up=2.0)
-    # a timed warm-up call each (the slowest, 50 ms, sets one call per sample), then the rounds in turn: b, clearly
-    # slower after its first sample, is not sampled again
-    assert order == ["a", "b", "a", "b", "a", "a"]
+    # a warm-up call each, one timed call each (the slowest, 50 ms, sets one call per sample), then the rounds in
+    # turn: b, clearly slower after its first sample, is not sampled again
+    assert order == ["a", "b", "a", "b", "a", "b", "a", "a"]
     assert times["b"] >= 0.05
     assert at_shapes(key, {"a": fast, "b": slow}, "cpu") is times  # the same shapes again: not timed again
-    assert len(order) == 6
+    assert len(order) == 8
