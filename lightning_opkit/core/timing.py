@@ -137,8 +137,10 @@ def at_shapes(key: tuple[Any, ...], variants: dict[str, Callable[[], Any]], devi
         fn()
     sync(device)
     base = next(iter(variants))
-    # calls per sample from the slowest variant's one call: a variant 1000x slower (float8 emulated on a CPU) is not
-    # called 20 times a sample because the baseline is fast
+    # calls per sample from the slowest variant's one call after its warm-up: a variant 1000x slower (float8 emulated
+    # on a CPU) is not called 20 times a sample because the baseline is fast. Not from the warm-up itself: a first
+    # call's lazy init (cuBLAS, Inductor, torchao imports) would leave a fast op one call per sample, which on a GPU
+    # times its launch, not its kernel
     slowest = max(per_call_seconds(fn, device) for fn in variants.values())
     calls = max(1, min(20, int(fill_s / max(slowest, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in variants}
