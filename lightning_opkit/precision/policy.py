@@ -365,7 +365,8 @@ class PrecisionPolicy(OpkitCallback):
         if self._facts is not None:
             record_facts(self._facts, self.table, self.decisions, self.measurements,
                          ("PrecisionPolicy(rules='auto')" if self.auto else "PrecisionPolicy's speed check") +
-                         f" at step {self._schedule.measured_at}", self._auto.fp8 if self.auto else None)
+                         f" at step {self._schedule.measured_at}", self._auto.fp8 if self.auto else None,
+                         self._governor.autocast)
 
     # the decision kept across a resume
 

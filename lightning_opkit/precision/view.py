@@ -13,7 +13,7 @@ from lightning_opkit.precision.census import CensusRow, census_markdown, merge_r
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import GOVERNED
 from lightning_opkit.precision.fp8_measure import Fp8Measurements, Fp8Row
-from lightning_opkit.precision.governor import ASIDE
+from lightning_opkit.precision.governor import ASIDE, AUTOCAST_LOWERS
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.speed_check import lowered
 
@@ -122,7 +122,8 @@ def summary_lines(table: dict[str, str], decisions: dict[str, Decision], overrid
 
 
 def record_facts(facts: RunFacts, table: dict[str, str], decisions: dict[str, Decision],
-                 measured: PrecisionMeasurements | None, source: str, fp8: Fp8Measurements | None = None) -> None:
+                 measured: PrecisionMeasurements | None, source: str, fp8: Fp8Measurements | None = None,
+                 autocast: str | None = None) -> None:
     """Tell the kit what runs in which dtype, what was measured (and by whom), and why a class stays in fp32.
 
     Args:
@@ -132,8 +133,12 @@ def record_facts(facts: RunFacts, table: dict[str, str], decisions: dict[str, De
         measured: the last measurements, if any.
         source: who measured, and when (``"PrecisionPolicy(rules='auto') at step 0"``).
         fp8: ``rules="auto"``'s float8 measurement per Linear, if one ran.
+        autocast: the dtype of plain ``torch.autocast``, where the policy runs that: the classes autocast lowers run
+            in it (the table says ``keep`` for them, which is no dtype a reader of the facts can act on).
     """
-    facts.dtypes = {c: d for c, d in table.items() if c in GOVERNED and d != "keep"}
+    ran = {c: autocast if autocast is not None and d == "keep" and c in AUTOCAST_LOWERS else d
+           for c, d in table.items()}
+    facts.dtypes = {c: d for c, d in ran.items() if c in GOVERNED and d != "keep"}
     facts.kept_fp32 = {c: (decisions[c].reason if c in decisions else "set to fp32 by its rules")
                        for c, d in facts.dtypes.items() if d == "fp32"}
     for row in measured or []:

@@ -58,4 +58,7 @@ def test_as_measured_here_no_lever_contradicts_the_policy(tmp_path):
         # lowered: the window's GEMMs ran in 16-bit, and there is nothing to advise
         assert not matmul.dtype.startswith("fp32")
         assert SUGGESTION not in table
-    assert facts.dtypes["matmul"] == policy.table["matmul"]
+    # what the kit says the class ran in is what the window's GEMMs ran in, also where plain autocast won (its table
+    # says "keep": autocast decides, and lowers GEMMs)
+    assert facts.dtypes["matmul"] == matmul.dtype.split("+")[0]
+    assert policy.table["matmul"] in (facts.dtypes["matmul"], "keep")

@@ -68,6 +68,18 @@ def test_facts_say_what_runs_in_which_dtype_what_was_measured_and_why_a_class_st
     assert facts.speeds[("matmul", "bf16")].ratio == 0.5
 
 
+def test_under_plain_autocast_the_facts_name_autocast_s_dtype_for_the_gemm_classes_it_lowers():
+    facts = RunFacts()
+    plain = dict.fromkeys(OP_CLASSES, "keep")  # what the policy's table says when plain autocast won
+    record_facts(facts, plain, {}, None, "PrecisionPolicy(rules='auto') at step 0", autocast="bf16")
+    assert facts.dtypes == {"matmul": "bf16", "conv": "bf16", "attention": "bf16"}  # the rest: their inputs' dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what autocast does with each, observed
+        x, w = torch.randn(4, 8), torch.randn(8, 8)
+        assert torch.nn.functional.linear(x, w).dtype == torch.bfloat16
+        assert torch.nn.functional.conv1d(x.T[None], w[:, :, None]).dtype == torch.bfloat16
+        assert torch.nn.functional.layer_norm(x, (8,)).dtype == torch.float32
+
+
 def test_float8_s_fact_is_its_rows_times_summed():
     rows = (Fp8Row("a", (64, 64), base_ms=2.0, fp8_ms=1.0, verdict=None),  # chosen
             Fp8Row("b", (64, 64), base_ms=6.0, fp8_ms=9.0, verdict="slower"), Fp8Row("c", (64, 64)))
