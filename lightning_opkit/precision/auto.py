@@ -8,7 +8,6 @@ tables, the same numerics and the same compiled graphs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,10 +22,11 @@ from lightning_opkit.precision.candidates import StepChoice, candidate_tables, c
 from lightning_opkit.precision.decide import MIN_SPEEDUP, TIE, Decision, decide
 from lightning_opkit.precision.fp8_measure import Fp8Ask, Fp8Measurements, measure_fp8
 from lightning_opkit.precision.measure import measure_precision
+from lightning_opkit.precision.plan import Plan
 from lightning_opkit.precision.results import Measurement, PrecisionMeasurements
 from lightning_opkit.precision.runner import StepRunner
 
-__all__ = ["AutoPrecision", "Plan", "describe_trial"]
+__all__ = ["AutoPrecision", "describe_trial"]
 
 def describe_trial(trial: Trial) -> str:
     """``"gemm+keep 1190.2 ms, per-class+keep 1220.5 ms (best of 2 training steps each)"``.
@@ -52,25 +52,6 @@ def describe_trial(trial: Trial) -> str:
 
 #: rank zero's value, on every rank
 Agree = Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the policy runs from now on: each class's :class:`Decision`, or plain autocast in ``autocast``.
-
-    The one form a decision takes from rank zero's choice to the policy's table, its checkpoint and its summary.
-
-    Args:
-        classes: op class -> its decision (dtype and why), for each class the model was seen to run.
-        autocast: the dtype of plain ``torch.autocast``, when that is what won.
-        fp8: the GEMM modules that run in float8 -> why (measured per module).
-        added: module overrides given after the decision was made (a resumed fit's): applied on top of it.
-    """
-
-    classes: dict[str, Decision]
-    autocast: str | None = None
-    fp8: dict[str, str] = field(default_factory=dict)
-    added: tuple[str, ...] = ()
 
 
 class AutoPrecision:
@@ -153,7 +134,7 @@ class AutoPrecision:
         if self.whole_step and chosen:
             # The candidates come from rank zero's per-class decisions, so every rank runs the same tables.
             choice = agree(self._choose(model, batch, loss_fn, measurements.rows if measurements else [],
-                                        {c: d.dtype for c, d in chosen.items()}, dtypes, agree, compiled))
+                                        Plan(chosen).dtypes, dtypes, agree, compiled))
         self.per_class, self.choice, self.measurements = chosen, choice, measurements
         # A re-measurement ends the trials of the last one, and the step it began for one of their contenders.
         self.reset()

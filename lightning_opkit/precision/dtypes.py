@@ -22,6 +22,8 @@ LOW = (torch.bfloat16, torch.float16)
 #: ``"fp8"`` is a GEMM dtype (:mod:`~lightning_opkit.precision.fp8`): a Linear's matmul in float8. Every other op of a
 #: class or module set to it, and each Linear float8 cannot take, runs in this dtype: the "next" one down.
 FP8_NEXT = "bf16"
+#: the policy's dtype name for float8 GEMMs
+FP8 = "fp8"
 #: every dtype name a rule or override may give: the cast dtypes, ``"fp8"`` and ``"keep"``
 NAMES = ["fp32", "bf16", "fp16", "fp8", "keep"]
 
@@ -35,7 +37,7 @@ def mode_dtype(name: str) -> torch.dtype | None:
     """
     return DTYPES[FP8_NEXT if name == "fp8" else name]
 
-__all__ = ["DTYPES", "FP8_NEXT", "GOVERNED", "LOW", "NAMES", "NEVER_CAST", "DtypeName", "OpClassName", "cast",
+__all__ = ["DTYPES", "FP8", "FP8_NEXT", "GOVERNED", "LOW", "NAMES", "NEVER_CAST", "DtypeName", "OpClassName", "cast",
            "describe_device", "hardware_note", "mode_dtype"]
 
 assert set(get_args(OpClassName)) == set(GOVERNED)

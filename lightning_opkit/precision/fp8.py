@@ -37,14 +37,14 @@ from lightning_opkit.core.select import match_rule
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import markdown_table, named_reasons
 from lightning_opkit.core.torch_compat import outside_dispatch_modes
+from lightning_opkit.precision.decide import Decision
+from lightning_opkit.precision.dtypes import FP8
 from lightning_opkit.precision.fp8_gather import Float8AllGather, float8_weight, gather_lines, high_precision
 
 __all__ = ["EXTRA", "FP8", "Float8Linears", "Fp8Recipe", "auto_candidates", "check_fp8", "fp8_lines", "fp8_markdown",
            "fp8_modules", "fp8_unit_note", "gemm_dims", "gemm_function", "recipe_problem", "require_torchao",
            "running_in", "torchao_missing", "torchao_problem"]
 
-#: the policy's dtype name for float8 GEMMs
-FP8 = "fp8"
 #: how a user gets torchao
 EXTRA = "pip install 'lightning_opkit[fp8]'"
 #: torchao's named recipes: one scale per tensor, or per row (finer, slower to scale)
@@ -346,8 +346,8 @@ class Float8Linears:
         self.skipped: dict[str, str] = {}
         #: the converted modules a module override asked for (the rest: the matmul class rule, or ``by_auto``)
         self.by_override: set[str] = set()
-        #: the converted modules ``rules="auto"`` chose by measurement -> the evidence
-        self.by_auto: dict[str, str] = {}
+        #: the converted modules ``rules="auto"`` chose by measurement -> its decision (the evidence in ``reason``)
+        self.by_auto: dict[str, Decision] = {}
         #: modules a repair reverted: no later choice runs them in float8 in this fit
         self.held: set[str] = set()
         self._live: dict[str, nn.Module] = {}
@@ -421,8 +421,8 @@ class Float8Linears:
         """The modules running float8 GEMMs now."""
         return list(self._live)
 
-    def choose(self, chosen: dict[str, str], model: nn.Module, overrides: dict[str, str] | None = None) -> None:
-        """``rules="auto"``'s float8 modules (path -> evidence) from now on; those it no longer chose run as written.
+    def choose(self, chosen: dict[str, Decision], model: nn.Module, overrides: dict[str, str] | None = None) -> None:
+        """``rules="auto"``'s float8 modules (path -> decision) from now on; those it no longer chose run as written.
 
         Args:
             chosen: the measured choice.
@@ -444,7 +444,7 @@ class Float8Linears:
                      self.device)
         if self._model is not None:  # the fit has started: auto's modules are gathered in float8 like the rules'
             self.gather_weights(self._model)
-        self.by_auto = {n: why for n, why in chosen.items() if n in self._live and n not in self.by_override}
+        self.by_auto = {n: d for n, d in chosen.items() if n in self._live and n not in self.by_override}
 
     def revert(self, name: str) -> bool:
         """Run module ``name`` (a converted one) as written for the rest of the fit: a repair's pin. Whether it was."""
@@ -585,8 +585,9 @@ def fp8_lines(fp8: Float8Linears, auto: list[str] | None = None) -> list[str]:
     if fp8.all_gather:
         lines += gather_lines(fp8.gather)
     if fp8.by_auto and not auto:  # a decision a checkpoint brought: nothing measured in this fit
-        name, why = next(iter(fp8.by_auto.items()))
-        lines.append(f"  fp8: {len(fp8.by_auto)} GEMM module(s) in float8 by rules='auto', e.g. {name} ({why})")
+        name, decided = next(iter(fp8.by_auto.items()))
+        lines.append(f"  fp8: {len(fp8.by_auto)} GEMM module(s) in float8 by rules='auto', e.g. {name}"
+                     f" ({decided.reason})")
     return lines + (auto or [])
 
 
@@ -609,7 +610,7 @@ def fp8_markdown(fp8: Float8Linears) -> str:
         return ""
     gathered = {n: "; its weight gathered in float8 (FSDP2)" for n in fp8.gather.gathered}
     gathered.update({n: f"; its weight gathered in its own dtype ({why})" for n, why in fp8.gather.skipped.items()})
-    rows = [[n, "fp8", ("module override" if n in fp8.by_override else f"rules='auto': {fp8.by_auto[n]}"
+    rows = [[n, "fp8", ("module override" if n in fp8.by_override else f"rules='auto': {fp8.by_auto[n].reason}"
                         if n in fp8.by_auto else "matmul rule") + gathered.get(n, "")] for n in fp8.converted]
     rows += [[n, FP8_NEXT_NAME, why] for n, why in fp8.skipped.items()]
     return (f"\n\n**float8 GEMMs** ({fp8.recipe} scaling, torchao):\n\n"

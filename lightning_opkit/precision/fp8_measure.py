@@ -33,6 +33,7 @@ from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import describe_error, markdown_table, times_phrase
 from lightning_opkit.core.timing import at_shapes
+from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.fp8 import FP8, Float8Linears, gemm_dims, gemm_function, recipe_problem, refusal
 from lightning_opkit.precision.runner import StepRunner, grad_cosine, loss_change, step_error
@@ -134,9 +135,9 @@ class Fp8Measurements:
     together: tuple[float, float | None] | None = None
 
     @property
-    def chosen(self) -> dict[str, str]:
-        """The modules that run in float8 -> the evidence."""
-        return {r.module: r.why() for r in self.rows if r.chosen}
+    def chosen(self) -> dict[str, Decision]:
+        """The modules that run in float8 -> the decision, its evidence in words."""
+        return {r.module: Decision("matmul", FP8, r.why()) for r in self.rows if r.chosen}
 
     def markdown(self) -> str:
         """``opkit/precision/fp8``: each module's shapes, times, error and verdict."""

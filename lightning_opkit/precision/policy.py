@@ -25,7 +25,7 @@ from lightning_opkit.core.deprecations import renamed
 from lightning_opkit.core.facts import RunFacts, facts_of
 from lightning_opkit.core.kit import CompilesRegions, offering
 from lightning_opkit.core.select import match_rule, resolve_modules
-from lightning_opkit.precision.auto import AutoPrecision, Plan
+from lightning_opkit.precision.auto import AutoPrecision
 from lightning_opkit.precision.candidates import StepChoice
 from lightning_opkit.precision.census import merge_rows
 from lightning_opkit.precision.config import (
@@ -53,7 +53,7 @@ from lightning_opkit.precision.fp8_measure import Fp8Ask
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
 from lightning_opkit.precision.oplog import OpLog
-from lightning_opkit.precision.pin import labelled_overrides, pinned_arguments, plan_from_state, plan_state
+from lightning_opkit.precision.plan import Plan, labelled_overrides, pinned_arguments
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.schedule import MeasureSchedule
 from lightning_opkit.precision.speed_check import check_speed, lowered
@@ -189,8 +189,6 @@ class PrecisionPolicy(OpkitCallback):
         self.census: dict[tuple[str, str], dict[str, Any]] = {}
         #: the speed check's measurements (explicit rules); under ``rules="auto"`` see :attr:`measurements`
         self._speed_measurements: PrecisionMeasurements | None = None
-        #: with ``rules="auto"``: op class -> the decision and its evidence
-        self.decisions: dict[str, Decision] = {}
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
         self.fp8_recipe, self.try_fp8, self.fp8_all_gather = fp8_recipe, try_fp8, fp8_all_gather
         self._governor = StepGovernor(self.table)
@@ -210,6 +208,11 @@ class PrecisionPolicy(OpkitCallback):
     def measurements(self) -> PrecisionMeasurements | None:
         """The last measurements (``rules="auto"``, or the speed check of explicit rules)."""
         return self._auto.measurements if self.auto else self._speed_measurements
+
+    @property
+    def decisions(self) -> dict[str, Decision]:
+        """With ``rules="auto"``: op class -> the decision in force and its evidence (empty until decided)."""
+        return dict(self._plan.classes) if self._plan is not None else {}
 
     @property
     def choice(self) -> StepChoice | None:
@@ -348,15 +351,14 @@ class PrecisionPolicy(OpkitCallback):
         governor = self._governor
         self._plan = plan
         governor.autocast, governor.autocast_device = plan.autocast, pl_module.device.type
-        self.decisions = dict(plan.classes)
         self.fp8.choose(plan.fp8, pl_module, self.overrides)
         table = dict(self.table)
         # Classes the model was not seen to run: fp32, or under plain autocast whatever autocast does with them.
         table.update(dict.fromkeys(GOVERNED, "fp32" if plan.autocast is None else "keep"))
-        table.update({c: d.dtype for c, d in self.decisions.items()})
+        table.update(plan.dtypes)
         self.table = table
         governor.set_table(table)
-        governor.settle(table, {c: d.dtype for c, d in self.decisions.items()}, pl_module, bool(self.overrides),
+        governor.settle(table, plan.dtypes, pl_module, bool(self.overrides),
                         bool(self.fp8.converted))
         self._record_facts()
 
@@ -374,11 +376,11 @@ class PrecisionPolicy(OpkitCallback):
     def state_dict(self) -> dict[str, Any]:
         if not self.auto or self._plan is None or self._auto.trialing:
             return {}
-        return {"plan": plan_state(self._plan, self.fp8.by_auto, self.overrides)}  # float8 as it runs, unpinned
+        return {"plan": self._plan.state(self.fp8.by_auto, self.overrides)}  # float8 as it runs, unpinned
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._schedule.restored = plan_from_state(state_dict["plan"], self.overrides) if "plan" in state_dict else None
+        self._schedule.restored = Plan.from_state(state_dict["plan"], self.overrides) if "plan" in state_dict else None
 
     def decision_as_arguments(self) -> str | None:
         """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""
@@ -460,7 +462,7 @@ class PrecisionPolicy(OpkitCallback):
         if self._writer is None or self._auto.measurements is None:
             return
         self._writer.text("opkit/precision/sensitivity", self._auto.sensitivity_markdown(
-            {c: d.dtype for c, d in self.decisions.items()}), step)
+            self._plan.dtypes if self._plan is not None else {}), step)
         again = f"\n\nTo run it again without measuring: `{self.decision_as_arguments()}`"
         self._writer.text("opkit/precision/decision", self._auto.decision_markdown(
             self.decisions, self._governor.aside()) + again, step)

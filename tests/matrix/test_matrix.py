@@ -52,10 +52,9 @@ from lightning_opkit import (
     ProfilerWindows,
     TorchCompile,
 )
-from lightning_opkit.precision.auto import Plan
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.fp8 import gemm_dims
-from lightning_opkit.precision.pin import plan_state
+from lightning_opkit.precision.plan import Plan
 
 STEPS, FAULT, SAVE = 6, 2, 4
 
@@ -99,8 +98,9 @@ def _auto_fp8_policy(case: Case, **kw) -> PrecisionPolicy:
     """
     policy = PrecisionPolicy(census_every_n_steps=3, rules="auto", trial_rounds=0, **kw)
     linears = [n for n, m in ZooModule(case.model).named_modules() if gemm_dims(m) is not None]
-    policy.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "bf16", "measured on a GPU")},
-                                                    fp8=dict.fromkeys(linears, "measured on a GPU")))})
+    measured = Decision("matmul", "fp8", "measured on a GPU")
+    policy.load_state_dict({"plan": Plan({"matmul": Decision("matmul", "bf16", "measured on a GPU")},
+                                         fp8=dict.fromkeys(linears, measured)).state()})
     return policy
 
 

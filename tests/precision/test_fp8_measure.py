@@ -18,11 +18,10 @@ from lightning_opkit import PrecisionPolicy, ProfilerWindows
 from lightning_opkit.core.facts import FASTER, facts_of
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.text import times_phrase
-from lightning_opkit.precision.auto import Plan
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.fp8 import Float8Linears, auto_candidates, gemm_dims
 from lightning_opkit.precision.fp8_measure import Fp8Measurements, measure_fp8
-from lightning_opkit.precision.pin import plan_state
+from lightning_opkit.precision.plan import Plan
 from lightning_opkit.precision.runner import StepRunner
 from lightning_opkit.profiler.roofline.levers import lever
 
@@ -127,22 +126,27 @@ def test_auto_measures_what_no_override_pin_or_rule_decides_and_says_why_it_trie
     fp8.restore()
 
 
+def _fp8(why):
+    return Decision("matmul", "fp8", why)
+
+
 def test_a_new_choice_reverts_the_modules_it_no_longer_takes_and_a_pin_ends_one_for_good():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     fp8 = Float8Linears("tensorwise", census=lambda: None)
-    fp8.choose({"0": "1.5x faster"}, model)
-    assert (fp8.live, fp8.by_auto) == (["0"], {"0": "1.5x faster"})
-    fp8.choose({"1": "1.3x faster"}, model)
-    assert (fp8.live, fp8.by_auto) == (["1"], {"1": "1.3x faster"})
+    fp8.choose({"0": _fp8("1.5x faster")}, model)
+    assert (fp8.live, fp8.by_auto) == (["0"], {"0": _fp8("1.5x faster")})
+    fp8.choose({"1": _fp8("1.3x faster")}, model)
+    assert (fp8.live, fp8.by_auto) == (["1"], {"1": _fp8("1.3x faster")})
     assert "forward" not in vars(model[0])
     assert "forward" in vars(model[1])
     assert fp8.revert("1")  # a NaN repair's pin
     assert (fp8.live, fp8.by_auto) == ([], {})
     assert "forward" not in vars(model[1])
-    fp8.choose({"0": "1.5x faster", "1": "1.3x faster"}, model)  # a trial's end, say: the pin holds
-    assert (fp8.live, fp8.by_auto) == (["0"], {"0": "1.5x faster"})
-    fp8.choose({"0": "1.5x faster"}, model, overrides={"0": "fp32"})  # an override decides: not auto's to choose
+    fp8.choose({"0": _fp8("1.5x faster"), "1": _fp8("1.3x faster")}, model)  # a trial's end, say: the pin holds
+    assert (fp8.live, fp8.by_auto) == (["0"], {"0": _fp8("1.5x faster")})
+    # an override decides: not auto's to choose
+    fp8.choose({"0": _fp8("1.5x faster")}, model, overrides={"0": "fp32"})
     assert (fp8.live, fp8.by_auto) == ([], {})
     fp8.reset()
     assert "forward" not in vars(model[0])
@@ -180,8 +184,8 @@ def test_a_checkpointed_float8_decision_runs_again_on_resume_without_measuring(t
     module = "model.model.layers.0.mlp.up_proj"
     first = PrecisionPolicy(rules="auto", census_every_n_steps=1, trial_rounds=0)
     # the decision a GPU run would have checkpointed: GEMMs in bf16, one MLP Linear in float8
-    first.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "bf16", "1.8x faster than fp32")},
-                                                   fp8={module: "1.42x faster than bf16"}))})
+    first.load_state_dict({"plan": Plan({"matmul": Decision("matmul", "bf16", "1.8x faster than fp32")},
+                                        fp8={module: _fp8("1.42x faster than bf16")}).state()})
     model = build("hf_llama")
     run = trainer(tmp_path / "a", [first], max_steps=2, max_epochs=-1, precision="bf16-mixed")
     run.fit(model, model.loader(n=16))
@@ -195,7 +199,7 @@ def test_a_checkpointed_float8_decision_runs_again_on_resume_without_measuring(t
         resumed, resumed.loader(n=16), ckpt_path=path)
     assert again.measurements is None
     assert again.fp8.converted == [module]
-    assert again.fp8.by_auto == {module: "1.42x faster than bf16 (measured before the checkpoint)"}
+    assert again.fp8.by_auto == {module: _fp8("1.42x faster than bf16 (measured before the checkpoint)")}
     assert ("matmul", "fp8") in again.census
     assert f"overrides={{'{module}': 'fp8'}}" in again.decision_as_arguments()
     _, texts = read_events(str(tmp_path / "b"))
@@ -213,8 +217,8 @@ def test_a_float8_overflow_in_a_module_auto_chose_is_repaired_and_the_checkpoint
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 16, (64,), generator=g))
     policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
-    policy.load_state_dict({"plan": plan_state(Plan({"matmul": Decision("matmul", "fp32", "measured")},
-                                                    fp8={"proj": "1.5x faster", "head": "1.2x faster"}))})
+    policy.load_state_dict({"plan": Plan({"matmul": Decision("matmul", "fp32", "measured")},
+                                         fp8={"proj": _fp8("1.5x faster"), "head": _fp8("1.2x faster")}).state()})
     detector = NaNDetector(action="skip")
     trainer(tmp_path, [policy, detector], max_steps=5, precision="32-true").fit(
         model, torch.utils.data.DataLoader(data, batch_size=8))

@@ -1,5 +1,5 @@
 """A rules="auto" decision kept for later: a resumed fit runs the checkpoint's decision without measuring, and the
-arguments the summary prints run it in the next run without measuring at all (precision/pin.py)."""
+arguments the summary prints run it in the next run without measuring at all (precision/plan.py)."""
 
 import pytest
 import torch
@@ -7,9 +7,8 @@ import yaml
 from helpers import make_loader, read_events, snapshot, trainer
 
 from lightning_opkit import PrecisionPolicy
-from lightning_opkit.precision.auto import Plan
 from lightning_opkit.precision.decide import Decision
-from lightning_opkit.precision.pin import pinned_arguments, plan_from_state, plan_state
+from lightning_opkit.precision.plan import Plan, pinned_arguments
 from precision.test_policy import Probe
 
 
@@ -67,9 +66,9 @@ def test_the_printed_arguments_run_the_same_decision_in_the_next_run_unmeasured(
 def test_a_plan_survives_the_checkpoint_as_plain_types_and_its_arguments_say_the_same_table():
     plan = Plan({"matmul": Decision("matmul", "bf16", "1.8x faster"),
                  "norm": Decision("norm", "fp32", "loss moved 3%")})
-    state = plan_state(plan)
+    state = plan.state()
     assert yaml.safe_load(yaml.safe_dump(state)) == state  # plain types: any checkpoint format holds them
-    again = plan_from_state(state)
+    again = Plan.from_state(state)
     assert {c: d.dtype for c, d in again.classes.items()} == {"matmul": "bf16", "norm": "fp32"}
     assert all(d.reason.endswith("(measured before the checkpoint)") for d in again.classes.values())
     words = pinned_arguments({"matmul": "bf16", "norm": "fp32", "conv": "fp32"}, None)
