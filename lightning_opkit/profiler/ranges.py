@@ -7,11 +7,15 @@ step (``opkit step <n>``) and one per module forward, named as TensorBoard names
 it runs, Hugging Face's ``Conv1D``, is ``[other]``). NVTX where the model runs on CUDA, ITT on a CPU (both in torch's
 own builds; ITT needs no VTune to be called). Every push is popped on every path: a module's forward hook
 runs even when the forward raises (``always_call``), and :meth:`Ranges.close` pops whatever an exception left open.
+
+A module inside a compiled region (TorchCompile's) gets no range of its own: its region's covers it. A hook there would
+be traced into the region's graph (the push a graph break) and, added and removed with each window, fail dynamo's guard
+on the module's hooks every time: a recompile per window, until the region reaches dynamo's limit and runs eagerly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,11 +82,19 @@ class Ranges:
         """Whether the model's forwards push ranges now."""
         return bool(self._patches)
 
-    def attach(self, model: nn.Module) -> None:
-        """From now on every module forward of ``model`` runs inside its range, until :meth:`detach`."""
+    def attach(self, model: nn.Module, compiled: Sequence[str] = ()) -> None:
+        """From now on every module forward of ``model`` runs inside its range, until :meth:`detach`.
+
+        Args:
+            model: the root module.
+            compiled: paths of compiled regions: the modules inside them get no range (their region's covers them).
+        """
         if self.attached:
             return
+        inside = tuple(f"{region}." for region in compiled)
         for path, module in model.named_modules():
+            if inside and path.startswith(inside):
+                continue
             name = f"{path or type(module).__name__} [{classify_module(module)}]"
             self._patches.hold(module.register_forward_pre_hook(self._opener(name)))
             self._patches.hold(module.register_forward_hook(self._closer, always_call=True))

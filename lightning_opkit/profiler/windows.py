@@ -304,7 +304,7 @@ class ProfilerWindows(OpkitCallback):
             self._window.begin_batch(window_phase(batch_no, self.every_n_steps, self.warmup, self.active)[1])
         marks = self.range_marks
         if marks is not None and (self.ranges == "steps" or self._window is not None):
-            marks.attach(pl_module)
+            marks.attach(pl_module, facts_of(trainer).compiled)
             marks.begin_step(trainer.global_step)
 
     @override

@@ -60,3 +60,43 @@ def test_what_began_once_the_window_was_settling_is_no_part_of_it():
         _step(model, x)()
     # the step's FLOPs alone: the 512 x 512 product after the barrier began is not counted
     assert summarize(settled, [0.01], use_device=False).flops == counter.get_total_flops()
+
+
+def test_a_recompile_inside_the_window_is_no_work_of_its_steps():
+    """The demo's third window recompiled a region: dynamo traced its ops on fake tensors under the profiler, and the
+    roofline met an addmm with a missing operand shape. The window's GEMMs are now the steps' own: none traced, none
+    under one of torch's ``dynamo_timed`` spans, and the roofline's GEMM FLOPs those of a window of the same step
+    that compiled nothing."""
+    from lightning_opkit.profiler.roofline.work import class_rooflines
+
+    torch.manual_seed(0)
+    mlp = torch.compile(nn.Sequential(nn.Linear(64, 192), nn.GELU(), nn.Linear(192, 64)), backend="inductor")
+    small, large = torch.randn(8, 64, requires_grad=True), torch.randn(24, 64, requires_grad=True)
+    mlp(small).sum().backward()
+
+    def window(x):
+        with torch.profiler.profile(record_shapes=True, with_flops=True) as prof:
+            mlp(x).sum().backward()
+        return prof
+
+    def traced(events):  # a GEMM with an operand the trace holds no shape of: run on a fake tensor
+        return [e for e in events if e.name in ("aten::addmm", "aten::mm") and
+                sum(len(shape) >= 2 for shape in e.input_shapes) < 2]
+
+    def under_a_compile_span(e):
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.endswith("(dynamo_timed)"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    torch._dynamo.mark_static(large, 0)
+    recompiling = window(large)  # a new static size: dynamo and Inductor compile again, inside the window
+    warm = window(large)  # the same step, compiled already
+    compiling = [e for e in recompiling.events() if e.name in ("aten::addmm", "aten::mm") and under_a_compile_span(e)]
+    assert compiling, "the window compiled: dynamo traced the region's GEMMs under the profiler"
+    kept = window_events(recompiling)
+    assert not traced(kept)
+    assert not [e.name for e in kept if under_a_compile_span(e)]
+    assert class_rooflines(recompiling)["matmul"].flops == class_rooflines(warm)["matmul"].flops > 0

@@ -46,7 +46,7 @@ class RooflineReport:
     @property
     def compiled(self) -> bool:
         """Whether Inductor's fused kernels ran in the window."""
-        return any(row.unknown_calls for row in self.rows.values())
+        return any(row.unknown_calls > row.unrecorded_calls for row in self.rows.values())
 
     def model_flops_by_dtype(self) -> dict[str, float]:
         """FLOPs per step of the GEMM-like classes (matmul, conv, attention, rnn), per dtype they ran in."""

@@ -36,8 +36,10 @@ def roofline_table(report: RooflineReport) -> str:
                  " copy the bandwidth roof was measured with.")
     fused = [r for r in report.rows.values() if r.unknown_calls]
     if fused:
-        text += ("\n\nInductor's fused kernels (time in their class's ms / step, work not recorded, so not in the"
-                 " rates): " + ", ".join(f"{r.op_class} {1e3 * r.unknown_seconds / steps:.3f} ms" for r in fused))
+        what = "Inductor's fused kernels" if not any(r.unrecorded_calls for r in fused) else (
+            "Ops whose work the trace does not record (Inductor's fused kernels, GEMMs missing an operand's shape)")
+        text += (f"\n\n{what} (time in their class's ms / step, work not recorded, so not in the rates): "
+                 + ", ".join(f"{r.op_class} {1e3 * r.unknown_seconds / steps:.3f} ms" for r in fused))
     return text + "\n\n" + mfu_line(report) + "\n\n**Levers**, from the measurements above:\n\n" + "\n".join(levers)
 
 

@@ -23,7 +23,7 @@ from lightning_opkit.opclass import (
 from lightning_opkit.profiler.op_times import on_device, window_events
 from lightning_opkit.profiler.roofline.peaks import Peaks
 
-__all__ = ["ClassRoofline", "achieved_rates", "class_rooflines"]
+__all__ = ["ClassRoofline", "UnrecordedShapes", "achieved_rates", "class_rooflines"]
 
 _ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "BFloat16": 2, "Half": 2, "long int": 8,
              "int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2,
@@ -45,9 +45,10 @@ class ClassRoofline:
     """One op class in one window: its work, its time, and its rates against the peaks.
 
     ``seconds`` is the self time of the class's ops (wrappers' and shape-less ops' included: the op-class share's
-    time); ``unknown_seconds`` that of Inductor's fused kernels of this class, which the trace records without shapes
-    (their time counts with the class, their work is not known, so they stay out of the rates). ``calls`` counts the
-    ops whose work is known.
+    time); ``unknown_seconds`` that of the ops whose work the trace does not record: Inductor's fused kernels of this
+    class, which it records without shapes, and (``unrecorded_calls`` of them) GEMMs with an operand's shape missing,
+    as compiled code's ``aten::addmm`` was seen to be on CPU. Their time counts with the class, their work is not
+    known, so they stay out of the rates. ``calls`` counts the ops whose work is known.
     """
 
     op_class: str
@@ -57,6 +58,7 @@ class ClassRoofline:
     calls: int = 0
     unknown_seconds: float = 0.0
     unknown_calls: int = 0
+    unrecorded_calls: int = 0
 
     @property
     def flops(self) -> float:
@@ -201,6 +203,10 @@ def grouped_mm_work(a: list[int], b: list[int], groups: int = 1) -> tuple[float,
     return 0.0, 0.0
 
 
+class UnrecordedShapes(ValueError):
+    """A GEMM whose operands' shapes the trace did not all record: its time is known, its work is not."""
+
+
 def _gemm_like(key: str, cls: str, event: Any, tensors: list[list[int]]) -> tuple[float, float]:
     """``(FLOPs, output elements)`` of a matmul, conv or attention op."""
     flops = float(event.flops or 0)
@@ -218,6 +224,8 @@ def _gemm_like(key: str, cls: str, event: Any, tensors: list[list[int]]) -> tupl
     if cls == "conv" and len(tensors) >= 2:
         return flops, flops / (2 * math.prod(tensors[1][1:]) or 1)  # each output element: 2 C_in k_h k_w FLOPs
     if len(tensors) >= 2 and len(tensors[-1]) >= 2 and len(tensors) < 4 and not key.endswith("_out"):
+        if len(tensors[-2]) < 2:  # the left operand's shape is missing (an addmm's bias stands in its place): no m
+            raise UnrecordedShapes(key)
         return flops, tensors[-2][-2] * tensors[-1][-1] * math.prod(tensors[-2][:-2] or [1])  # m x n (x batch)
     return flops, 0.0  # ``addmm``'s out= already sits among its inputs
 
@@ -310,7 +318,8 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
     :data:`_FLOPS_PER_ELEMENT` per element of their first input. Bytes are the inputs' sizes plus the output's (a
     GEMM's ``m x n``, a convolution's from its FLOPs, else the first input's size). Wrappers (``aten::linear``
     around ``aten::addmm``) add their time but not their work (:class:`_Tree`), so nothing counts twice. Inductor's
-    fused kernels count their time with their class (as the op-class shares do) in ``unknown_seconds``. The
+    fused kernels, and GEMMs whose operands' shapes the trace lacks, count their time with their class (as the
+    op-class shares do) in ``unknown_seconds``. The
     ``communication`` row holds the bytes the collectives were handed.
 
     Args:
@@ -337,8 +346,14 @@ def class_rooflines(prof: Any, use_device: bool = False) -> dict[str, ClassRoofl
             continue
         # A wrapper's own time (aten::linear around aten::addmm) and that of ops with no tensor inputs is the class's
         # dispatch cost: time without work of its own, so the class's time is the op-class share's, to the microsecond
+        try:
+            work = _op_work(key, cls, e) if tree.does_work(e, cls) else None
+        except UnrecordedShapes:
+            row.unknown_seconds += seconds
+            row.unknown_calls += 1
+            row.unrecorded_calls += 1
+            continue
         row.seconds += seconds
-        work = _op_work(key, cls, e) if tree.does_work(e, cls) else None
         if work is None:
             continue
         flops, moved, dtype = work

@@ -1,6 +1,7 @@
 """Work per op class from real profiler runs (profiler/roofline/work.py): FLOPs equal to torch's own
 FlopCounterMode's, bytes of what an op reads and writes. Trainer-free: a profiled forward and backward."""
 
+import pytest
 import torch
 from helpers import flop_counter, profiled
 from torch import nn
@@ -74,3 +75,21 @@ def test_gathers_count_the_rows_they_read_not_the_whole_table():
     # forward and backward each touch one logit per target (the backward's zero fill is an op of its own)
     assert rows["loss"].bytes == 2 * (2 * 32 * 4 + 32 * 8)
     assert rows["embedding"].pct_bandwidth(measure_peaks("cpu", ("fp32",))) < 100
+
+
+def test_a_gemm_whose_operand_shape_the_trace_lacks_is_time_without_work_not_a_crash():
+    """What the demo's roofline died of (IndexError): ``aten::addmm`` recorded as ``[[192], [], [64, 192]]``, its
+    left operand's shape missing (traced on a fake tensor). torch's own event type, as the profiler hands it over."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from lightning_opkit.profiler.roofline.work import UnrecordedShapes, _op_work
+
+    event = FunctionEvent(0, "aten::addmm", thread=0, start_us=0, end_us=5, input_shapes=[[192], [], [64, 192], [], []],
+                          input_dtypes=["float", "", "float", "Scalar", "Scalar"])
+    with pytest.raises(UnrecordedShapes):
+        _op_work("aten::addmm", "matmul", event)
+    whole = FunctionEvent(0, "aten::addmm", thread=0, start_us=0, end_us=5,
+                          input_shapes=[[192], [8, 64], [64, 192], [], []],
+                          input_dtypes=["float", "float", "float", "Scalar", "Scalar"])
+    # its bytes: the three operands and the 8 x 192 output, 4 bytes each
+    assert _op_work("aten::addmm", "matmul", whole)[1] == 4 * (192 + 8 * 64 + 64 * 192 + 8 * 192)
