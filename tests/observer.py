@@ -161,3 +161,37 @@ class RangeObserver:
             if depth < 0:
                 return False
         return depth == 0
+
+
+class DynamoRecompiles:
+    """Dynamo's own recompile messages, from torch's ``recompiles`` log artifact, while inside.
+
+    Nothing of opkit's is read: the messages are the ones ``TORCH_LOGS=recompiles`` prints.
+    """
+
+    def __init__(self) -> None:
+        import logging
+
+        self.messages: list[str] = []
+        outer = self
+
+        class _Keep(logging.Handler):
+            def emit(self, record):
+                outer.messages.append(record.getMessage())
+
+        self._handler = _Keep()
+        self._logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+
+    def __enter__(self):
+        self._logger.addHandler(self._handler)
+        torch._logging.set_logs(recompiles=True)
+        return self
+
+    def __exit__(self, *exc):
+        torch._logging.set_logs()
+        self._logger.removeHandler(self._handler)
+        return False
+
+    def on_hooks(self) -> list[str]:
+        """The recompiles a module hook caused (a guard on a module's or the global hook dicts failed)."""
+        return [m for m in self.messages if "_forward_hooks" in m or "_forward_pre_hooks" in m]

@@ -10,6 +10,7 @@ window's ``profile_memory``, the peak of allocations over the recorded steps abo
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,8 @@ class MemoryReport:
         step: the global step probed.
         checkpointed: blocks an attached ActivationCheckpointing checkpoints (the run's facts): the lever says so
             rather than advise what is done.
+        eager: the probed step ran its compiled regions eagerly (a region holds the blocks: the probe's hooks inside
+            it would have recompiled it), so these are eager figures.
     """
 
     parameters: int
@@ -76,6 +79,7 @@ class MemoryReport:
     block_forward_s: dict[str, float] = field(default_factory=dict)
     step: int = -1
     checkpointed: dict[str, list[str]] = field(default_factory=dict)
+    eager: bool = False
 
     def scalars(self) -> dict[str, float | None]:
         """``opkit/memory/...`` scalars, in MB."""
@@ -125,9 +129,14 @@ class MemoryReport:
 class MemoryProbe:
     """Probes one step: saved activations (attributed), block forward times, then the state's bytes.
 
+    A compiled region (TorchCompile's) that holds a block would trace the probe's hooks into its graph and recompile
+    each window (dynamo guards on the hooks, and on the module path they read): the probed step then runs the compiled
+    regions eagerly, and the report says its figures are eager ones.
+
     Args:
         model: the LightningModule.
         blocks: the repeated blocks' paths (the view's rows, the lever's candidates).
+        compiled: the compiled regions' paths (the run's facts).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
@@ -141,8 +150,11 @@ class MemoryProbe:
         (576, 576, 256, 0)
     """
 
-    def __init__(self, model: nn.Module, blocks: list[str]) -> None:
+    def __init__(self, model: nn.Module, blocks: list[str], compiled: Sequence[str] = ()) -> None:
         self.model, self.blocks = model, blocks
+        #: a compiled region holds a block: the probed step runs eagerly
+        self.eager = any(b.startswith(f"{r}.") for r in compiled for b in blocks)
+        self._stance: Any = None
         self.saved = SavedBytes(model)
         self._counting: Any = None
         self._clocks: dict[str, StepClock] = {}
@@ -158,6 +170,9 @@ class MemoryProbe:
             step: its global step (the report's, whatever step the window ends at).
         """
         self.step = step
+        if self.eager:
+            self._stance = torch.compiler.set_stance("force_eager")
+            self._stance.__enter__()
         self._counting = self.saved.counting(attribute=True)
         self._counting.__enter__()
         for path in self.blocks:
@@ -175,6 +190,9 @@ class MemoryProbe:
             counting.__exit__(None, None, None)
         while self._hooks:
             self._hooks.pop().remove()
+        if self._stance is not None:
+            stance, self._stance = self._stance, None
+            stance.__exit__(None, None, None)
 
     @property
     def gradients_unread(self) -> bool:
@@ -202,7 +220,7 @@ class MemoryProbe:
         times = {p: c.seconds(wait=True)[-1] for p, c in self._clocks.items() if c.seconds(wait=True)}
         return MemoryReport(tensor_bytes(self.model.parameters()), self._gradients, tensor_bytes(state),
                             self.saved.activations, peak, dict(self.saved.by_module), by_class, by_block, times,
-                            self.step, dict(checkpointed or {}))
+                            self.step, dict(checkpointed or {}), self.eager)
 
     def close(self) -> None:
         """Stop whatever is still open (an exception mid-step)."""

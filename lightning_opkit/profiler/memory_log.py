@@ -83,7 +83,9 @@ def memory_summary(report: MemoryReport) -> list[str]:
     peak = "-" if report.peak is None else f"{report.peak / _MB:.1f}"
     lines = [f"  memory (step {report.step}): parameters {report.parameters / _MB:.1f} MB, gradients"
              f" {report.gradients / _MB:.1f}, optimizer {report.optimizer / _MB:.1f}, activations"
-             f" {report.activations / _MB:.1f}, peak {peak}"]
+             f" {report.activations / _MB:.1f}, peak {peak}" + (
+                 " (probed eagerly: a compiled region holds the blocks, and the probe's hooks would recompile it)"
+                 if report.eager else "")]
     rows = report.module_rows(3)
     if rows:
         lines.append("  activations by module: " + ", ".join(f"{r[0]} {r[1]} MB" for r in rows[:6]))

@@ -298,7 +298,7 @@ class ProfilerWindows(OpkitCallback):
         if self._window is None and opens_window(batch_no, self.every_n_steps):
             self._window = Window(self.every_n_steps, self.warmup, self.active, self._profile_options)
             if self.memory_breakdown and trainer.training:
-                self._probe = MemoryProbe(pl_module, self._blocks)
+                self._probe = MemoryProbe(pl_module, self._blocks, facts_of(trainer).compiled)
                 self._probe.begin(trainer.global_step)
         if self._window is not None:
             self._window.begin_batch(window_phase(batch_no, self.every_n_steps, self.warmup, self.active)[1])

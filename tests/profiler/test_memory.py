@@ -183,3 +183,29 @@ def test_tensor_bytes_count_each_storage_once_views_and_shared_weights_included(
     x = torch.zeros(8, 8)
     assert tensor_bytes([x, x[:2], x.t(), "not a tensor"]) == 8 * 8 * 4
     assert tensor_bytes([torch.zeros(3, dtype=torch.bfloat16)]) == 6
+
+
+def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompiles(tmp_path):
+    """A region holding the blocks (the whole model compiled) traced the probe's hooks and recompiled each window (21
+    recompiles, 27 graph breaks on the zoo GPT-2). The probed step now runs eagerly: nothing recompiles (dynamo's own
+    log), and its figures are those of the same step in a run that compiles nothing."""
+    from helpers import trainer
+    from observer import DynamoRecompiles
+
+    from lightning_opkit import TorchCompile
+
+    reports = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = build("hf_gpt2")
+        windows = ProfilerWindows(every_n_steps=3, warmup=1, active=1, memory_breakdown=True, export_trace=False)
+        callbacks = [windows] + ([TorchCompile(modules=["model"], backend="eager", measure=False)] if compiled else [])
+        with DynamoRecompiles() as recompiles:
+            trainer(tmp_path / str(compiled), callbacks, max_steps=8).fit(model, model.loader(n=32))
+        assert not recompiles.on_hooks(), recompiles.messages
+        reports[compiled] = windows.memory_report
+        assert reports[compiled].eager == compiled
+        assert ("probed eagerly" in "\n".join(windows.summary_lines())) == compiled
+    eager, compiled = reports[False], reports[True]
+    assert compiled.activations == eager.activations > 0
+    assert compiled.activations_by_module == eager.activations_by_module

@@ -82,32 +82,18 @@ def test_a_bad_ranges_value_is_refused_at_construction():
 def test_modules_inside_a_compiled_region_get_no_range_and_windows_recompile_nothing(tmp_path):
     """The demo's ViT, compiled by block with ranges in each window, recompiled each block once per window: the hooks
     on the modules inside the blocks failed dynamo's guard on their hooks. The observer: dynamo's own recompile log."""
-    import logging
+    from observer import DynamoRecompiles
 
     from lightning_opkit import TorchCompile
-
-    records: list[str] = []
-
-    class Recompiles(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
 
     model = build("hf_gpt2")
     blocks = [n for n, _ in model.named_modules() if n.count(".") == 3 and ".h." in n]
     windows = ProfilerWindows(every_n_steps=3, warmup=0, active=1, ranges="windows", export_trace=False)
     compiler = TorchCompile(modules=["model.transformer.h.*"], backend="eager", measure=False)
-    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
-    handler = Recompiles()
-    logger.addHandler(handler)
-    torch._logging.set_logs(recompiles=True)
-    try:
-        with RangeObserver() as seen:
-            trainer(tmp_path, [windows, compiler], max_steps=10).fit(model, model.loader(n=40))
-    finally:
-        torch._logging.set_logs()
-        logger.removeHandler(handler)
+    with DynamoRecompiles() as recompiles, RangeObserver() as seen:
+        trainer(tmp_path, [windows, compiler], max_steps=10).fit(model, model.loader(n=40))
     assert blocks
     assert all(any(n.startswith(f"{b} [") for n in seen.names) for b in blocks)  # each region has its range
     assert not [n for n in seen.names if any(n.startswith(f"{b}.") for b in blocks)]  # nothing inside one
     assert seen.balanced()
-    assert not [r for r in records if "_forward_hooks" in r or "_forward_pre_hooks" in r], records
+    assert not recompiles.on_hooks(), recompiles.messages
