@@ -107,3 +107,32 @@ def test_an_unknown_operator_class_is_named_with_the_valid_ones():
     got = r"'nosuch' in \['nosuch'\]"
     with pytest.raises(ValueError, match=rf"^Expected `save` to list items of {valid}, but got {got}$"):
         ActivationCheckpointing(save=["nosuch"])
+
+
+#: each callback's ``measure``, with whatever acts on a measurement switched off, and what it reports when it measured
+MEASURING = {
+    "PrecisionPolicy": (PrecisionPolicy, dict(rules={"matmul": "bf16"}, census_every_n_steps=0),
+                        lambda cb: cb.measurements is not None),
+    "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], eager_if_slower=False),
+                     lambda cb: cb.regions["body"].speedup is not None),
+    "ActivationCheckpointing": (ActivationCheckpointing, dict(modules=["body"], measure_steps=1),
+                                lambda cb: cb.price is not None),
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURING))
+def test_measure_has_one_meaning_it_times_and_reports_and_never_changes_what_trains(tmp_path, name):
+    """Issue 52: ``measure`` means the same on every callback. It times the alternative once and reports it; what
+    acts on a measurement has its own argument (TorchCompile's ``eager_if_slower``; ``rules="auto"``, whose purpose is
+    deciding), so with that off, the weights after training are those of ``measure=False``, bit for bit."""
+    cls, kwargs, reported = MEASURING[name]
+    weights = {}
+    for measure in (False, True):
+        torch.manual_seed(0)
+        model = TinyNet()
+        callback = cls(measure=measure, **kwargs)
+        trainer(tmp_path / str(measure), [callback], max_steps=12).fit(model, make_loader(n=96))
+        assert reported(callback) == measure
+        weights[measure] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert weights[True].keys() == weights[False].keys()
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
