@@ -16,6 +16,8 @@ a NaNDetector (``action="skip"``), and a checkpoint saved at step 4. It checks i
 - with ``logger=False`` no file is written under the run's directory (traces included); with a TensorBoardLogger the
   run summary is there, and nothing of a callback that is off;
 - a callback turned off changes nothing: the expectations are those of the set without it;
+- where it compiles, dynamo's own recompile log holds no recompile a module hook caused (an opkit hook traced into a
+  region recompiles it each window);
 - the kit's account agrees with an independent observer (``tests/observer.py``, no code shared with opkit): the event
   directories and traces on disk are those the run summary names; where nothing is compiled (dynamo compiles nothing
   under a dispatch mode), every GEMM kernel is watched at the dispatcher, and the float8 modules of the policy table
@@ -39,7 +41,7 @@ from cases import CASES, Case
 from helpers import REFUSED, SaveAt, policy_refused_under, read_events, snapshot
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from observer import GemmObserver, RangeObserver, StepMark, event_dirs, trace_files
+from observer import DynamoRecompiles, GemmObserver, RangeObserver, StepMark, event_dirs, trace_files
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
 from zoo import CASES as ZOO
@@ -148,6 +150,9 @@ def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ck
     # dynamo compiles nothing under a dispatch mode: a case that compiles is watched on the file system only
     observer = GemmObserver(model) if observe and "C" not in case.active else None
     ranges = RangeObserver() if observer is not None else None  # sys.setprofile: not beside dynamo either
+    # where it compiles, dynamo's own recompile log: no opkit hook may be traced into a region (each window's would
+    # recompile it, until dynamo's limit sends it to eager)
+    recompiles = DynamoRecompiles() if "C" in case.active else None
     if observer is not None:
         extra.append(StepMark(observer))
     trainer = pl.Trainer(default_root_dir=str(root), max_steps=steps, accelerator="cpu", devices=1, logger=logger,
@@ -155,9 +160,12 @@ def _fit(root, case: Case, callbacks, batches, steps, faults=None, save=None, ck
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[*callbacks, losses, *extra],
                          **_precision(case))
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), observer or contextlib.nullcontext(), ranges or contextlib.nullcontext():
+    nothing = contextlib.nullcontext
+    with contextlib.redirect_stdout(printed), observer or nothing(), ranges or nothing(), recompiles or nothing():
         trainer.fit(model, DataLoader(batches, batch_size=None), ckpt_path=ckpt)
     assert snapshot(model) == before, "the model is not as it was"
+    # (the fault injection's own hook on the deep module reads the step: its recompiles are the test's)
+    assert recompiles is None or not recompiles.on_hooks(but=ZOO[case.model].deep), recompiles.messages
     if observe:
         _agrees_with_the_observer(root, case, callbacks, observer, printed.getvalue(), ranges)
     return model, trainer, losses.by_batch
