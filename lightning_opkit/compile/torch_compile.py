@@ -28,6 +28,7 @@ from lightning_opkit.compile.state_keys import loading_old_checkpoints
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.deprecations import renamed
+from lightning_opkit.core.dynamo_compat import backward_outside_autocast
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import RunsModulesInDtype, offering
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
@@ -185,6 +186,8 @@ class TorchCompile(OpkitCallback):
             # which the taxonomy classifies by the ops they fuse; otherwise their time hides in the graph-call span.
             # The marker in each kernel costs a flag check while no profiler runs.
             torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
+            # A region's backward in the dtypes its forward saved, as eager's: not under the forward's autocast
+            backward_outside_autocast(),
         ]
         for config in self._configs:
             config.__enter__()

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch._dynamo
 
-__all__ = ["COMPILE_FAILURES", "RECOMPILES_LOGGER", "backend_callable", "cache_entries", "counters",
-           "inductor_defaults", "inductor_modes", "recompiles_artifact", "skip_code", "stance", "watch_compiles"]
+__all__ = ["COMPILE_FAILURES", "RECOMPILES_LOGGER", "backend_callable", "backward_outside_autocast", "cache_entries",
+           "counters", "inductor_defaults", "inductor_modes", "recompiles_artifact", "skip_code", "stance",
+           "watch_compiles"]
 
 # What counts as "compilation failed" for TorchCompile's `fallback`: the backend, dynamo itself, or (with fullgraph) a
 # graph break. A user's own error met while tracing (``TorchRuntimeError``, ``Observed*``) or a misuse (``UserError``)
@@ -119,3 +120,19 @@ def inductor_defaults() -> dict[str, Any]:
     import torch._inductor.config
 
     return dict(torch._inductor.config.get_config_copy())
+
+
+def backward_outside_autocast() -> Any:
+    """A config patch under which a compiled region's backward runs outside autocast, as eager's does.
+
+    AOTAutograd traces a region's backward when it compiles the forward, by default under the autocast in force then
+    (``backward_pass_autocast="same_as_forward"``): under ``precision="bf16-mixed"`` a compiled block's backward
+    GEMMs ran in bf16 where eager's run in the dtypes the forward saved (fp32 where the forward ran in fp32: autocast's
+    fp32 ops, a policy's fp32 classes, a user's ``autocast(enabled=False)``). PyTorch means to make ``"off"`` its
+    default (pytorch/pytorch#177287). A torch without the setting gets a patch that does nothing.
+    """
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "backward_pass_autocast"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(backward_pass_autocast="off")

@@ -538,3 +538,45 @@ def test_dynamos_wrapper_frame_gaining_a_callable_is_no_recompile_of_the_region(
     # the same guard in a region's own code is a real recompile
     assert not expected_recompile(reason.replace("inner in /venv/torch/_dynamo/external_utils.py", "forward in m.py"),
                                   Counter())
+
+
+class _Fp32Block(nn.Module):
+    """Computes in fp32 under bf16-mixed (``autocast(enabled=False)`` inside, as a numerics-minded user writes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return F.gelu(self.fc(x.float()))
+
+
+class _Fp32Inside(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = _Fp32Block()
+        self.head = nn.Linear(64, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.block(x)).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_a_compiled_region_s_backward_runs_outside_autocast_as_eager_s_does(tmp_path):
+    """Under bf16-mixed, AOTAutograd traced a compiled region's backward under the forward's autocast: the block's
+    fp32 forward got bf16 GEMMs in backward, and different weights than eager. The observer is the eager run."""
+    weights = {}
+    for compiled in (False, True):
+        model = _Fp32Inside()
+        callbacks = [TorchCompile(backend="aot_eager", modules=["block"], measure=False)] if compiled else []
+        trainer(tmp_path / str(compiled), callbacks, max_steps=3, precision="bf16-mixed").fit(model, make_loader())
+        weights[compiled] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
+    import torch._functorch.config as functorch_config
+
+    assert functorch_config.backward_pass_autocast == "same_as_forward"  # the user's setting is back after the fit

@@ -107,3 +107,14 @@ def test_the_backend_callables_and_inductor_s_names_are_torch_compile_s():
     assert isinstance(defaults["max_autotune"], bool)
     assert all(issubclass(e, BaseException) for e in COMPILE_FAILURES)
     torch._dynamo.reset()
+
+
+def test_backward_outside_autocast_is_functorch_s_own_setting_patched_for_a_while():
+    import torch._functorch.config as functorch_config
+
+    from lightning_opkit.core.dynamo_compat import backward_outside_autocast
+
+    before = functorch_config.backward_pass_autocast  # the private name, on the running torch
+    with backward_outside_autocast():
+        assert functorch_config.backward_pass_autocast == "off"
+    assert functorch_config.backward_pass_autocast == before
