@@ -39,6 +39,8 @@ SENSITIVE_CLASSES = ("norm", "softmax", "loss", "reduction")
 _PREDICTED_SLOWER = 1.3
 #: after the first timing, tables this many times slower than the fastest are not timed again
 _RETIME_WITHIN = 1.25
+#: rounds of samples after the first, for the tables still in the race
+_RETIMES = 4
 #: the share of the batch the candidates run on (at least one row)
 ROWS_FRACTION = 8
 
@@ -306,14 +308,17 @@ def choose_table(runner: StepRunner, tables: dict[str, dict[str, str]], rows: Se
     for run in runs[1:]:
         if run.skipped is None:
             _timed_run(runner, run, ref)
-    # A second sample for the candidates still in the race, in reverse order so that drift hits them alike. The
-    # fp32 reference always gets one: it ran first, and one cold sample of it must not hand the step to a table that
-    # only looked faster (a tiny model on a CPU without bf16 units measured fp32 1.6x slower than itself).
-    fastest = min((r.ms for r in runs if r.within(tolerance) and r.ms is not None), default=None)
-    again = [r.name for r in reversed(runs) if fastest is not None and r.within(tolerance) and r.ms is not None
-             and (r is runs[0] or r.ms <= _RETIME_WITHIN * fastest)]
-    for name in agree(again):
-        _timed_run(runner, next(r for r in runs if r.name == name), None)
+    # More samples for the candidates still in the race, in turn and in alternating order so that drift and another
+    # process's bursts hit them alike; each keeps its fastest. The fp32 reference always gets them: it ran first, and
+    # one cold sample of it must not hand the step to a table that only looked faster (a tiny model on a CPU without
+    # bf16 units measured fp32 1.6x slower than itself). Two samples each let the verdict flip with the machine's load
+    # (the example ViT beside a test run chose plain autocast, alone the fp32 table): a step on a few rows is cheap.
+    for round_no in range(_RETIMES):
+        fastest = min((r.ms for r in runs if r.within(tolerance) and r.ms is not None), default=None)
+        race = [r.name for r in runs if fastest is not None and r.within(tolerance) and r.ms is not None
+                and (r is runs[0] or r.ms <= _RETIME_WITHIN * fastest)]
+        for name in agree(race[::-1] if round_no % 2 == 0 else race):
+            _timed_run(runner, next(r for r in runs if r.name == name), None)
     return StepChoice(runs, _pick(runs, tolerance, compiled), batch_rows, time.perf_counter() - began, tolerance)
 
 
