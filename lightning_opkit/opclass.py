@@ -296,7 +296,7 @@ _NAME_HINTS = (
 
 
 def classify_module(module: nn.Module, ops: Mapping[str, int] | None = None) -> str:
-    """Classify an ``nn.Module``: by its ``torch.nn`` type, else by the ops it ran itself, else by its class name.
+    """Classify an ``nn.Module``: by its ``torch.nn`` type, else by the ops it ran itself, else by its class (name).
 
     Args:
         module: any module.
@@ -320,6 +320,9 @@ def classify_module(module: nn.Module, ops: Mapping[str, int] | None = None) -> 
             if ops.get(cls):
                 return cls
     name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if name == "Conv1D" and isinstance(weight, nn.Parameter) and weight.dim() == 2:
+        return "matmul"  # Hugging Face's Conv1D (GPT-2) is a Linear with its weight transposed: a 2-D weight, an addmm
     for pattern, cls in _NAME_HINTS:
         if pattern.search(name):
             return cls

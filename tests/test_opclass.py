@@ -155,7 +155,7 @@ def test_modules_opkit_does_not_know_are_classified_by_what_they_run_or_their_na
     gpt2 = build("hf_gpt2").model
     llama = build("hf_llama").model
     conv1d = gpt2.get_submodule("transformer.h.0.mlp.c_fc")
-    assert classify_module(conv1d) == "other"  # no torch.nn type, no ops seen: nothing to go on but the name
+    assert classify_module(conv1d) == "matmul"  # no torch.nn type, no ops seen: its 2-D weight says it is a GEMM
     assert classify_module(conv1d, {"matmul": 1, "copy": 2}) == "matmul"
     assert classify_module(llama.get_submodule("model.layers.0.input_layernorm")) == "norm"
 
@@ -168,3 +168,24 @@ def test_framework_spans_are_reported_apart(name):
 
     assert is_framework_event(name)
     assert not is_framework_event("aten::mm")
+
+
+def test_hugging_face_s_conv1d_is_a_gemm_as_the_dispatcher_sees_it():
+    """GPT-2's Conv1D (a Linear with its weight transposed) was ``[other]`` in the named ranges. The observer: the
+    aten ops it dispatches, which are a GEMM's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.pytorch_utils import Conv1D
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    module = Conv1D(12, 8)
+    with Ops():
+        module(torch.randn(2, 8))
+    assert torch.ops.aten.addmm.default in seen
+    assert classify_module(module) == "matmul"
+    assert classify_module(nn.Conv1d(2, 2, 3)) == "conv"  # torch's own is a convolution, by its type

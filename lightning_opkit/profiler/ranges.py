@@ -4,9 +4,10 @@
 program pushes; without them, an opkit run shows anonymous kernels. :class:`Ranges` pushes one range per training
 step (``opkit step <n>``) and one per module forward, named as TensorBoard names it: ``<module path> [<op class>]``
 (``blocks.0.attn.qkv [matmul]``; the root goes by its class name; a module of a library opkit cannot classify before
-it runs, Hugging Face's ``Conv1D``, is ``[other]``). NVTX where the model runs on CUDA, ITT on a CPU (both in torch's
-own builds; ITT needs no VTune to be called). Every push is popped on every path: a module's forward hook
-runs even when the forward raises (``always_call``), and :meth:`Ranges.close` pops whatever an exception left open.
+it runs is ``[other]``; Hugging Face's ``Conv1D``, a transposed Linear, is ``[matmul]``). NVTX where the model runs on
+CUDA, ITT on a CPU (both in torch's own builds; ITT needs no VTune to be called). Every push is popped on every path:
+a module's forward hook runs even when the forward raises (``always_call``), and :meth:`Ranges.close` pops whatever
+an exception left open.
 
 A module inside a compiled region (TorchCompile's) gets no range of its own: its region's covers it. A hook there would
 be traced into the region's graph (the push a graph break) and, added and removed with each window, fail dynamo's guard
