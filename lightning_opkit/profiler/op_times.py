@@ -41,6 +41,17 @@ def _compiling(event: Any, seen: dict[int, bool]) -> bool:
     return found
 
 
+def compiling_seconds(prof: Any) -> float:
+    """Host seconds a window spent in dynamo's and Inductor's compile spans (the outermost ones, each once).
+
+    Args:
+        prof: a stopped ``torch.profiler.profile``.
+    """
+    seen: dict[int, bool] = {}
+    return sum(float(e.cpu_time_total) for e in prof.events()
+               if _COMPILING.match(e.name) and not _compiling(e, seen)) / 1e6
+
+
 def window_events(prof: Any) -> Any:
     """A window's events: ``prof.events()`` with their input dtypes, less what was no part of its steps' work.
 
@@ -99,6 +110,8 @@ class WindowReport:
     #: on a GPU, the device time of every kernel, copy and memset the window recorded, each once (``None`` on CPU):
     #: what the op-class shares divide among the classes
     device_us: float | None = None
+    #: per step, the time dynamo and Inductor spent compiling inside the window: left out of ``step_time_ms``
+    compiling_ms: float = 0.0
 
     @property
     def total_self_us(self) -> float:
@@ -168,9 +181,12 @@ def summarize(prof: Any, step_times_s: list[float], *, use_device: bool) -> Wind
         class_self[row.op_class] += row.self_us
     steps = len(step_times_s)
     communication, exposed = communication_time(prof, use_device=use_device)
+    # a recompile inside the window is no step's work: its time leaves the step time as its ops left the classes
+    compiling = min(compiling_seconds(prof), sum(step_times_s))
     return WindowReport(
         steps=steps,
-        step_time_ms=1e3 * sum(step_times_s) / steps if steps else 0.0,
+        step_time_ms=1e3 * (sum(step_times_s) - compiling) / steps if steps else 0.0,
+        compiling_ms=1e3 * compiling / steps if steps else 0.0,
         ops=ops,
         class_self_us=class_self,
         framework_self_us=framework_us,

@@ -2,6 +2,8 @@
 self time is the sum of its ops' self time as the profiler's own key_averages() gives it; FLOPs as FlopCounterMode
 counts them; a region's span and the settling barrier handled as documented."""
 
+import time
+
 import pytest
 import torch
 from helpers import flop_counter
@@ -100,3 +102,33 @@ def test_a_recompile_inside_the_window_is_no_work_of_its_steps():
     assert not traced(kept)
     assert not [e.name for e in kept if under_a_compile_span(e)]
     assert class_rooflines(recompiling)["matmul"].flops == class_rooflines(warm)["matmul"].flops > 0
+
+
+def test_a_recompile_inside_the_window_leaves_its_step_time_too():
+    """What the recompile cost is no step's work: the window's step time is the steps' less the outermost compile
+    spans, and the report says how much it left out. A window that compiled nothing leaves out nothing."""
+    from lightning_opkit.profiler.op_times import compiling_seconds
+
+    torch.manual_seed(0)
+    mlp = torch.compile(nn.Sequential(nn.Linear(64, 192), nn.GELU(), nn.Linear(192, 64)), backend="aot_eager")
+    mlp(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    large = torch.randn(24, 64, requires_grad=True)
+    torch._dynamo.mark_static(large, 0)
+
+    def window():
+        began = time.perf_counter()
+        with torch.profiler.profile(record_shapes=True) as prof:
+            mlp(large).sum().backward()
+        return prof, time.perf_counter() - began
+
+    (recompiling, wall), (warm, warm_wall) = window(), window()
+    spans = [e for e in recompiling.events() if e.name.startswith("entire_frame_compile")]
+    assert spans  # torch's own span of the recompile
+    compiling = compiling_seconds(recompiling)
+    assert compiling >= max(e.cpu_time_total for e in spans) / 1e6 > 0  # at least the frame's compile
+    assert compiling < wall
+    report = summarize(recompiling, [wall], use_device=False)
+    assert report.compiling_ms == pytest.approx(1e3 * compiling)
+    assert report.step_time_ms == pytest.approx(1e3 * (wall - compiling))
+    assert compiling_seconds(warm) == 0.0
+    assert summarize(warm, [warm_wall], use_device=False).step_time_ms == pytest.approx(1e3 * warm_wall)
