@@ -281,7 +281,7 @@ class ProfilerWindows(OpkitCallback):
         top = sorted(report.class_percent().items(), key=lambda kv: -kv[1])[:3]
         lines = [line, "  last window's top op classes: " + ", ".join(f"{c} {p:.1f}%" for c, p in top)
                  + f" ({report.step_time_ms:.2f} ms / step" + (
-                     f", less {report.compiling_ms:.2f} ms / step spent recompiling inside the window)"
+                     f", not counting {report.compiling_ms:.2f} ms / step of recompiling inside the window)"
                      if report.compiling_ms else ")")]
         lines += memory_summary(self.memory_report) if self.memory_report is not None else []
         return lines + (roofline_summary(self.last_roofline) if self.last_roofline is not None else []) + oom
