@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -149,7 +149,17 @@ def outermost(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]
         ['blocks.0', 'head']
     """
     names = [n for n, _ in named]
-    return [(n, m) for n, m in named if not any(n != p and (p == "" or n.startswith(p + ".")) for p in names)]
+    return [(n, m) for n, m in named if not inside(n, names)]
+
+
+def inside(path: str, regions: Sequence[str]) -> bool:
+    """Whether module ``path`` lies strictly inside one of ``regions`` (``""``, the root, holds every other module).
+
+    Example:
+        >>> inside("blocks.0.fc", ["blocks.0"]), inside("blocks.0", ["blocks.0"]), inside("head", [""])
+        (True, False, True)
+    """
+    return any(path != r and (r == "" or path.startswith(r + ".")) for r in regions)
 
 
 def find_blocks(model: nn.Module) -> list[str]:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_opkit.core.ranks import local
 from lightning_opkit.core.saved import SavedBytes, plain_tensors
+from lightning_opkit.core.select import inside
 from lightning_opkit.core.timing import StepClock
 
 __all__ = ["MemoryProbe", "MemoryReport", "tensor_bytes"]
@@ -152,8 +153,9 @@ class MemoryProbe:
 
     def __init__(self, model: nn.Module, blocks: list[str], compiled: Sequence[str] = ()) -> None:
         self.model, self.blocks = model, blocks
-        #: a compiled region holds a block: the probed step runs eagerly
-        self.eager = any(b.startswith(f"{r}.") for r in compiled for b in blocks)
+        #: a compiled region holds a block, or the whole model (its saved-tensor attribution hooks every module): the
+        #: probed step runs eagerly
+        self.eager = "" in compiled or any(inside(b, compiled) for b in blocks)
         self._stance: Any = None
         self.saved = SavedBytes(model)
         self._counting: Any = None

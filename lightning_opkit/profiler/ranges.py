@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.select import inside
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import classify_module
 
@@ -92,9 +93,8 @@ class Ranges:
         """
         if self.attached:
             return
-        inside = tuple(f"{region}." for region in compiled)
         for path, module in model.named_modules():
-            if inside and path.startswith(inside):
+            if inside(path, compiled):
                 continue
             name = f"{path or type(module).__name__} [{classify_module(module)}]"
             self._patches.hold(module.register_forward_pre_hook(self._opener(name)))

@@ -185,10 +185,12 @@ def test_tensor_bytes_count_each_storage_once_views_and_shared_weights_included(
     assert tensor_bytes([torch.zeros(3, dtype=torch.bfloat16)]) == 6
 
 
-def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompiles(tmp_path):
-    """A region holding the blocks (the whole model compiled) traced the probe's hooks and recompiled each window (21
-    recompiles, 27 graph breaks on the zoo GPT-2). The probed step now runs eagerly: nothing recompiles (dynamo's own
-    log), and its figures are those of the same step in a run that compiles nothing."""
+@pytest.mark.parametrize("region", ["model", None])
+def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompiles(tmp_path, region):
+    """A region holding the blocks (the whole model compiled, or the LightningModule's forward) traced the probe's hooks
+    and recompiled each window (21 recompiles, 27 graph breaks on the zoo GPT-2). The probed step now runs eagerly:
+    nothing recompiles (dynamo's own log), and its figures are those of the same step in a run that compiles
+    nothing."""
     from helpers import trainer
     from observer import DynamoRecompiles
 
@@ -199,7 +201,8 @@ def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompil
         torch.manual_seed(0)
         model = build("hf_gpt2")
         windows = ProfilerWindows(every_n_steps=3, warmup=1, active=1, memory_breakdown=True, export_trace=False)
-        callbacks = [windows] + ([TorchCompile(modules=["model"], backend="eager", measure=False)] if compiled else [])
+        modules = [region] if region is not None else None
+        callbacks = [windows] + ([TorchCompile(modules=modules, backend="eager", measure=False)] if compiled else [])
         with DynamoRecompiles() as recompiles:
             trainer(tmp_path / str(compiled), callbacks, max_steps=8).fit(model, model.loader(n=32))
         assert not recompiles.on_hooks(), recompiles.messages
