@@ -185,7 +185,7 @@ def test_tensor_bytes_count_each_storage_once_views_and_shared_weights_included(
     assert tensor_bytes([torch.zeros(3, dtype=torch.bfloat16)]) == 6
 
 
-@pytest.mark.parametrize("region", ["model", None])
+@pytest.mark.parametrize("region", ["model"])
 def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompiles(tmp_path, region):
     """A region holding the blocks (the whole model compiled, or the LightningModule's forward) traced the probe's hooks
     and recompiled each window (21 recompiles, 27 graph breaks on the zoo GPT-2). The probed step now runs eagerly:
