@@ -146,6 +146,7 @@ class MemoryProbe:
         >>> loss = net(torch.ones(4, 8, requires_grad=True)).sum()
         >>> probe.forward_done()
         >>> loss.backward()
+        >>> probe.step_done()
         >>> report = probe.report([])
         >>> report.parameters, report.gradients, report.activations_by_module["1"], report.step
         (576, 576, 256, 0)
@@ -155,7 +156,7 @@ class MemoryProbe:
         self.model, self.blocks = model, blocks
         #: a compiled region below the LightningModule holds a block: the probed step runs eagerly (not yet where the
         #: LightningModule's own forward is the region: its stance outlived the fit in the matrix, see the closing note)
-        self.eager = any(inside(b, [r for r in compiled if r]) for b in blocks)
+        self.eager = "" in compiled or any(inside(b, compiled) for b in blocks)
         self._stance: Any = None
         self.saved = SavedBytes(model)
         self._counting: Any = None
@@ -166,7 +167,7 @@ class MemoryProbe:
         self.step = -1
 
     def begin(self, step: int) -> None:
-        """The probed step starts: count what is saved, time each block's forward.
+        """The probed step starts: count what is saved, time each block's forward (call :meth:`step_done` after it).
 
         Args:
             step: its global step (the report's, whatever step the window ends at).
@@ -192,6 +193,14 @@ class MemoryProbe:
             counting.__exit__(None, None, None)
         while self._hooks:
             self._hooks.pop().remove()
+
+    def step_done(self) -> None:
+        """The probed step is over (its batch ended): its compiled regions compile again.
+
+        The stance is left here, not when the forward is done: what the step itself enters (the policy's census step
+        forces eager around the whole training step) must close first. ``set_stance`` restores the stance it found
+        when entered, so a stance left out of order puts back a forced one that outlives the fit.
+        """
         if self._stance is not None:
             stance, self._stance = self._stance, None
             stance.__exit__(None, None, None)
@@ -228,4 +237,6 @@ class MemoryProbe:
         """Stop whatever is still open (an exception mid-step)."""
         with contextlib.suppress(Exception):
             self.forward_done()
+        with contextlib.suppress(Exception):
+            self.step_done()
 

@@ -314,6 +314,8 @@ class ProfilerWindows(OpkitCallback):
                            batch_idx: int) -> None:
         if self.range_marks is not None:
             self.range_marks.end_step()
+        if self._probe is not None:
+            self._probe.step_done()
         window, settle = self._window, settler(self.batches_seen - 1, self.every_n_steps, self.warmup, self.active)
         if window is not None:
             window.end_batch(before_stop=settle)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from helpers import read_events, read_images
 from zoo import ZooModule, build
 
 from lightning_opkit import NaNDetector, ProfilerWindows
-from lightning_opkit.profiler.memory import tensor_bytes
+from lightning_opkit.profiler.memory import MemoryProbe, tensor_bytes
 
 
 def _independent(model, batch, blocks):
@@ -185,7 +186,7 @@ def test_tensor_bytes_count_each_storage_once_views_and_shared_weights_included(
     assert tensor_bytes([torch.zeros(3, dtype=torch.bfloat16)]) == 6
 
 
-@pytest.mark.parametrize("region", ["model"])
+@pytest.mark.parametrize("region", ["model", None])
 def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompiles(tmp_path, region):
     """A region holding the blocks (the whole model compiled, or the LightningModule's forward) traced the probe's hooks
     and recompiled each window (21 recompiles, 27 graph breaks on the zoo GPT-2). The probed step now runs eagerly:
@@ -212,3 +213,23 @@ def test_blocks_inside_a_compiled_region_are_probed_eagerly_and_nothing_recompil
     eager, compiled = reports[False], reports[True]
     assert compiled.activations == eager.activations > 0
     assert compiled.activations_by_module == eager.activations_by_module
+
+
+def test_the_eager_probe_leaves_no_forced_stance_behind_what_the_step_enters():
+    """The policy's census forces eager around the whole training step, inside the probe's batch. The probe left its
+    stance before backward, inside the census's: the census then put back the forced stance it had found, and the rest
+    of the fit (43 later tests in one process) compiled nothing."""
+    import torch._dynamo.eval_frame as eval_frame  # the stance object is replaced, not changed: read it each time
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    probe = MemoryProbe(net, blocks=["1"], compiled=[""])
+    assert probe.eager
+    probe.begin(step=0)
+    with torch.compiler.set_stance("force_eager"):  # what a census step (or a replay) enters inside the step
+        loss = net(torch.ones(4, 8)).sum()
+        probe.forward_done()
+        loss.backward()
+    assert eval_frame._stance.stance == "force_eager"  # the probed step is still eager until its batch ends
+    probe.step_done()
+    assert eval_frame._stance.stance == "default"
+    assert probe.report([]).activations_by_module["1"] > 0
