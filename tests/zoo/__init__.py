@@ -289,14 +289,23 @@ class ZooModule(pl.LightningModule):
         self.lr = lr
         self.fused = fused  # AdamW(fused=True): takes found_inf, so a step can be left out on the device
         if {"forward", "backward"} & set(self.faults):
-            self.model.get_submodule(self.case.deep).register_forward_hook(self._poison_output)
+            # The same hook on every module of the deep one's name in the other blocks, which share its code: a hook on
+            # one block only would fail dynamo's guards on the others' hook dicts and read as a hook that someone
+            # added mid-run (what the matrix watches opkit for).
+            deep, leaf = self.model.get_submodule(self.case.deep), self.case.deep.rsplit(".", 1)[-1]
+            for path, module in self.model.named_modules():
+                if path.rsplit(".", 1)[-1] == leaf and type(module) is type(deep):
+                    module.register_forward_hook(self._poison_output)
         if "param" in self.faults:
             self.model.get_parameter(self.case.param).register_hook(self._poison_grad)
 
     def _hit(self, kind: str) -> bool:
         return self.faults.get(kind) == self.global_step and self.training
 
+    @torch.compiler.disable  # outside any compiled graph: its reads of the step and the module are no guards of opkit's
     def _poison_output(self, module, args, output):
+        if module is not self.model.get_submodule(self.case.deep):
+            return None
         if self._hit("forward"):
             out = _first_float(output).clone(memory_format=torch.contiguous_format)
             out.view(-1)[-1] = math.nan  # the last element: a sequence model reads the last step
