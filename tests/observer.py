@@ -193,20 +193,11 @@ class DynamoRecompiles:
         self._logger.removeHandler(self._handler)
         return False
 
-    def on_hooks(self, but: str | None = None) -> list[str]:
-        """The recompiles a module hook caused (a guard on a module's or the global hook dicts failed).
-
-        Args:
-            but: the path of a module whose own hooks do not count (a test's fault injection): a guard on the hooks of
-                a module of its name (dynamo spells the path from the compiled code's frame: ``._modules['fc']``) is
-                left out.
-        """
-        theirs = None if but is None else f"._modules['{but.split('.')[-1]}']"
+    def on_hooks(self) -> list[str]:
+        """The recompiles a module hook caused (a guard on a module's or the global hook dicts failed)."""
 
         def ours(line: str) -> bool:  # a failed guard (``- 3/1: ...``) on hooks, not the source line echoed after it
             guard = re.match(r"\s*- \d+/\d+: (.*?)(  #|$)", line)
-            if guard is None or not ("_forward_hooks" in guard.group(1) or "_forward_pre_hooks" in guard.group(1)):
-                return False
-            return theirs is None or theirs + "._forward" not in guard.group(1)
+            return guard is not None and ("_forward_hooks" in guard.group(1) or "_forward_pre_hooks" in guard.group(1))
 
         return [m for m in self.messages if any(ours(line) for line in m.splitlines())]
