@@ -5,8 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
 from helpers import read_events, read_images
+from torch import nn
 from zoo import ZooModule, build
 
 from lightning_opkit import NaNDetector, ProfilerWindows
