@@ -82,8 +82,10 @@ def summary_lines(report: RooflineReport) -> list[str]:
     worst = report.worst()
     if worst is not None:
         kind, pct = worst.bound(report.peaks)
+        said = lever(worst, report)
+        bound = "" if said.startswith(f"{kind}-bound") else f", {kind}-bound at {pct:.0f}% of its roof"  # said once
         lines.append(f"  most time above its roof: {worst.op_class} ({1e3 * worst.seconds / report.steps:.3f} ms /"
-                     f" step, {kind}-bound at {pct:.0f}% of its roof): {lever(worst, report)}")
+                     f" step{bound}): {said}")
     return lines
 
 
