@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["StepClock", "at_shapes", "best_seconds", "filled_seconds", "per_call_seconds", "sync"]
+__all__ = ["StepClock", "at_shapes", "best_seconds", "count_weighted_ratio", "filled_seconds", "per_call_seconds",
+           "sync"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -151,6 +152,32 @@ def at_shapes(key: tuple[Any, ...], variants: dict[str, Callable[[], Any]], devi
             samples[name].append(per_call_seconds(fn, device, calls))
     _AT_SHAPES[cache_key] = {name: statistics.median(values) for name, values in samples.items()}
     return _AT_SHAPES[cache_key]
+
+
+def count_weighted_ratio(timed: Iterable[tuple[int, tuple[float, float] | None, str]],
+                         ) -> tuple[float, list[str]] | None:
+    """The second variant's time over the first's across a run's shapes, each weighted by how often it ran.
+
+    Args:
+        timed: per shape, its calls in the run, :func:`at_shapes`' ``(first, second)`` seconds (``None``: not timed)
+            and its words for the report; taken lazily, so a shape is timed only when reached.
+
+    Returns:
+        The ratio and the words of the shapes that timed, or ``None`` where none did.
+
+    Example:
+        >>> count_weighted_ratio([(2, (1.0, 3.0), "a"), (1, None, "b"), (1, (2.0, 2.0), "c")])
+        (2.0, ['a', 'c'])
+    """
+    first = second = 0.0
+    words = []
+    for count, pair, word in timed:
+        if pair is None or not math.isfinite(pair[0] * pair[1]):
+            continue
+        first += count * pair[0]
+        second += count * pair[1]
+        words.append(word)
+    return (second / first, words) if words and first > 0 else None
 
 
 class StepClock:

@@ -81,3 +81,21 @@ def test_at_shapes_samples_in_turn_gives_up_on_a_clearly_slower_variant_and_time
     assert times["b"] >= 0.05
     assert at_shapes(key, {"a": fast, "b": slow}, "cpu") is times  # the same shapes again: not timed again
     assert len(order) == 8
+
+
+def test_count_weighted_ratio_weighs_by_calls_skips_untimed_shapes_and_times_lazily():
+    from lightning_opkit.core.timing import count_weighted_ratio
+
+    reached = []
+
+    def timed(word, pair):
+        reached.append(word)
+        return pair
+
+    rows = ((n, timed(w, p), w) for n, p, w in [(3, (1.0, 2.0), "a"), (1, None, "b"), (1, (4.0, float("nan")), "c"),
+                                                  (1, (1.0, 1.0), "d")])
+    first = next(rows)
+    assert reached == ["a"]  # a shape is timed when reached, not before
+    assert count_weighted_ratio([first, *rows]) == ((3 * 2.0 + 1.0) / (3 * 1.0 + 1.0), ["a", "d"])
+    assert count_weighted_ratio([(1, None, "x")]) is None
+    assert count_weighted_ratio([(1, (0.0, 1.0), "zero")]) is None  # no baseline time: no ratio

@@ -8,7 +8,6 @@ the input casts a policy would add, back to back on the device's clock, and keep
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import SpeedFact
-from lightning_opkit.core.timing import at_shapes
+from lightning_opkit.core.timing import at_shapes, count_weighted_ratio
 from lightning_opkit.core.torch_compat import events_with_dtypes
 
 __all__ = ["gemm_speed"]
@@ -53,6 +52,12 @@ def _seconds(op: str, shapes: list[list[int]], device: torch.device, dtype: str)
     return times["fp32"], times[dtype]
 
 
+def _words(op: str, shapes: list[list[int]]) -> str:
+    """``"64x32@32x96"``: the GEMM's two operands (addmm's first input is its bias)."""
+    first = 0 if op in ("aten::mm", "aten::bmm") else 1
+    return "@".join("x".join(map(str, s)) for s in shapes[first:first + 2])
+
+
 def gemm_speed(prof: Any, device: torch.device | str, window: int, use_device: bool = False,
                dtype: str = "bf16") -> SpeedFact | None:
     """bf16 time over fp32 time of the window's costliest fp32 GEMMs, weighted by their recorded time and count.
@@ -79,19 +84,11 @@ def gemm_speed(prof: Any, device: torch.device | str, window: int, use_device: b
         entry[2] += float(e.self_device_time_total if use_device else e.self_cpu_time_total)
         entry[3] += 1
     costliest = sorted(spent.values(), key=lambda v: -v[2])[:_MOST]
-    fp32_total = low_total = 0.0
-    timed = []
-    for op, shapes, _, count in costliest:
-        pair = _seconds(op, shapes, device, dtype)
-        if pair is None or not math.isfinite(pair[0] * pair[1]):
-            continue
-        fp32, low = pair
-        fp32_total += count * fp32
-        low_total += count * low
-        first = 0 if op in ("aten::mm", "aten::bmm") else 1  # addmm's first input is its bias
-        timed.append("@".join("x".join(map(str, s)) for s in shapes[first:first + 2]))
-    if not timed or fp32_total <= 0:
+    found = count_weighted_ratio((count, _seconds(op, shapes, device, dtype), _words(op, shapes))
+                                 for op, shapes, _, count in costliest)
+    if found is None:
         return None
-    return SpeedFact("matmul", dtype, low_total / fp32_total,
+    ratio, timed = found
+    return SpeedFact("matmul", dtype, ratio,
                      f"this model's {len(timed)} costliest GEMM shapes ({', '.join(timed)}), as the window recorded"
                      " them, input casts included", f"measured by the roofline in window {window}")

@@ -9,7 +9,6 @@ result is kept for the run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch import nn
 
 from lightning_opkit.core.dtypes import BY_NAME, PROFILER_DTYPES
 from lightning_opkit.core.facts import SpeedFact
-from lightning_opkit.core.timing import at_shapes
+from lightning_opkit.core.timing import at_shapes, count_weighted_ratio
 from lightning_opkit.core.torch_compat import events_with_dtypes
 
 __all__ = ["conv_layout", "conv_layout_speed"]
@@ -123,19 +122,12 @@ def conv_layout_speed(prof: Any, device: torch.device | str, window: int, curren
         The measurement, or ``None`` when the window ran no 2d/3d convolution with recorded shapes.
     """
     device = torch.device(device)
-    contiguous_total = channels_last_total = 0.0
-    timed = []
-    for shapes, arguments, dtype, count, _ in _recorded(prof, use_device)[:_MOST]:
-        pair = _seconds(shapes, arguments, dtype, device)
-        if pair is None or not math.isfinite(pair[0] * pair[1]):
-            continue
-        contiguous, channels_last = pair
-        contiguous_total += count * contiguous
-        channels_last_total += count * channels_last
-        timed.append(_words(shapes, arguments))
-    if not timed or contiguous_total <= 0:
+    found = count_weighted_ratio((count, _seconds(shapes, arguments, dtype, device), _words(shapes, arguments))
+                                 for shapes, arguments, dtype, count, _ in _recorded(prof, use_device)[:_MOST])
+    if found is None:
         return None
-    return SpeedFact("conv", "channels_last", channels_last_total / contiguous_total,
+    ratio, timed = found
+    return SpeedFact("conv", "channels_last", ratio,
                      f"this model's {len(timed)} costliest conv shapes ({', '.join(timed)})" if len(timed) > 1 else
                      f"this model's costliest conv shape ({timed[0]})",
                      f"measured by the roofline in window {window}", baseline="contiguous", current=current,
