@@ -6,6 +6,8 @@ import os
 import time
 from typing import Any
 
+from lightning_opkit.core.warn import warn_once
+
 __all__ = ["write_trace"]
 
 
@@ -33,3 +35,18 @@ def write_trace(prof: Any, folder: str, rank: int, step: int, gzip: bool, writte
         if os.path.exists(old):
             os.remove(old)
     return elapsed
+
+
+def write_trace_or_warn(prof: Any, folder: str, rank: int, step: int, gzip: bool, written: list[str],
+                        keep: int | None) -> float | None:
+    """:func:`write_trace`, or, where it fails (an unwritable folder, a full disk), a warning once and ``None``.
+
+    A trace is not worth the run: training goes on without it.
+    """
+    try:
+        return write_trace(prof, folder, rank, step, gzip, written, keep)
+    except Exception as err:
+        warn_once(f"ProfilerWindows: could not write the trace of the window at step {step} to {folder!r}"
+                  f" ({type(err).__name__}: {err}); training goes on.", key=("profiler", "trace export failed"),
+                  stacklevel=3)
+        return None

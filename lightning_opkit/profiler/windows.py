@@ -41,7 +41,7 @@ from lightning_opkit.profiler.roofline.peaks import measure_link
 from lightning_opkit.profiler.roofline.report import RooflineReport, build_report
 from lightning_opkit.profiler.roofline.view import summary_lines as roofline_summary
 from lightning_opkit.profiler.session import Window, opens_window, settler, window_phase
-from lightning_opkit.profiler.traces import write_trace
+from lightning_opkit.profiler.traces import write_trace_or_warn
 
 __all__ = ["ProfilerWindows", "window_phase"]
 
@@ -381,14 +381,10 @@ class ProfilerWindows(OpkitCallback):
         step = trainer.global_step
         export_s = None
         if self.export_trace and self._trace_dir:
-            try:
-                export_s = write_trace(window.prof, self._trace_dir, trainer.global_rank, step, self.gzip,
-                                       self.trace_files, self.keep_traces)
-            except Exception as err:  # a trace is not worth the run: unwritable dir, full disk, ...
+            export_s = write_trace_or_warn(window.prof, self._trace_dir, trainer.global_rank, step, self.gzip,
+                                           self.trace_files, self.keep_traces)
+            if export_s is None:
                 self.export_errors += 1
-                warn_once(f"ProfilerWindows: could not write the trace of the window at step {step} to"
-                          f" {self._trace_dir!r} ({type(err).__name__}: {err}); training goes on.",
-                          key=("profiler", "trace export failed"), stacklevel=2)
                 self._scalars("opkit/profiler", {"export_errors": self.export_errors}, step)
         if self._writer is not None and self._writer.active:
             log_window(self._writer, report, step, window_no=self.windows_done, partial=partial, export_s=export_s,

@@ -7,7 +7,7 @@ import pathlib
 
 import torch
 
-from lightning_opkit.profiler.traces import write_trace
+from lightning_opkit.profiler.traces import write_trace, write_trace_or_warn
 
 
 def _profile():
@@ -33,3 +33,16 @@ def test_gzipped_and_only_the_newest_kept(tmp_path):
     assert written == [str(tmp_path / "rank0.20.pt.trace.json.gz"), str(tmp_path / "rank0.30.pt.trace.json.gz")]
     with gzip.open(written[-1], "rt") as f:
         assert "traceEvents" in json.load(f)
+
+
+def test_a_trace_that_cannot_be_written_is_a_warning_and_none_not_an_exception(tmp_path):
+    import pytest
+
+    blocker = tmp_path / "a file"
+    blocker.write_text("in the way of the folder")
+    written: list[str] = []
+    with pytest.warns(UserWarning, match="could not write the trace of the window at step 7 .* training goes on"):
+        assert write_trace_or_warn(_profile(), str(blocker / "traces"), 0, 7, False, written, None) is None
+    assert written == []
+    assert write_trace_or_warn(_profile(), str(tmp_path / "ok"), 0, 8, False, written, None) > 0
+    assert len(written) == 1
