@@ -58,6 +58,7 @@ if __name__ == "__main__":
         # the root is left out: Lightning's DDP forward redirection restores it as an instance attribute
         "forward_patched": [n for n, m in model.named_modules() if n and "forward" in vars(m)],
         "graph_breaks": sum(compiler.watch.graph_breaks().values()),
+        "graph_break_reasons": compiler.watch.graph_breaks(),
         "error": compiler.error,
         "census": sorted(f"{c}:{d}" for c, d in policy.census),
         "windows": windows.windows_done,

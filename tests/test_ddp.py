@@ -93,7 +93,10 @@ def test_all_four_callbacks_under_ddp_with_a_nan_on_one_rank(tmp_path, regional)
         assert "matmul:bf16" in r["census"], r
         assert "norm:fp32" in r["census"], r
     if regional == "whole":
-        assert r0["graph_breaks"] <= 2, r0  # DDP's forward redirection must not put training_step under dynamo
+        # DDP's forward redirection must not put training_step under dynamo (the test's own fault injection runs
+        # outside any graph: its breaks are the harness's)
+        theirs = {r: n for r, n in r0["graph_break_reasons"].items() if "ZooModule._poison" not in r}
+        assert sum(theirs.values()) <= 2, r0["graph_break_reasons"]
     else:  # with ActivationCheckpointing on the compiled blocks: same fault, same skip, ranks in lockstep
         assert r0["checkpointed"] == r1["checkpointed"] == ["model.encoder.layers.0", "model.encoder.layers.1"]
     assert r0["forward_patched"] == r1["forward_patched"] == []  # every callback's wrapper undone
