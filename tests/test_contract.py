@@ -71,7 +71,9 @@ def test_all_together(tmp_path, recwarn):
     callbacks = [cls(**kwargs) for cls, kwargs in CALLBACKS.values()]
     model = TinyNet(forward_steps=(2,))
     before = snapshot(model)
-    trainer(tmp_path, callbacks, max_steps=6).fit(model, make_loader())
+    # 26 steps: the checkpointing price begins after TorchCompile's eager-against-compiled calls (one timed trial at a
+    # time), and neither takes a sample on the policy's census steps (every second one here)
+    trainer(tmp_path, callbacks, max_steps=26).fit(model, make_loader(n=208))
     assert snapshot(model) == before
     assert [e["step"] for e in callbacks[1].events] == [2]
     assert callbacks[1].events[0]["module"] == "body.1"
@@ -84,7 +86,13 @@ def test_all_together(tmp_path, recwarn):
         assert callbacks[3].watch.frames == 0
         assert len(said) == 1
     assert callbacks[4].checkpointed == ["body"]
-    assert callbacks[4].price is not None
+    price = callbacks[4].price
+    assert price is not None
+    line = callbacks[4].summary_lines()[0]
+    # keeping the GEMMs' outputs of so small a block saves more than the block's input alone: said as more, not as a
+    # negative "less"
+    assert ("more: it keeps more than it frees" in line) == (price.saved_with > price.saved_without), line
+    assert "(-" not in line, line
 
 
 def test_whole_step_arguments_parse_from_the_cli():
@@ -136,3 +144,78 @@ def test_measure_has_one_meaning_it_times_and_reports_and_never_changes_what_tra
         weights[measure] = {k: v.clone() for k, v in model.state_dict().items()}
     assert weights[True].keys() == weights[False].keys()
     assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
+
+
+class _Unprotected(Callback):
+    """The training steps that ran without ActivationCheckpointing's recompute on ``module``: its forward began once
+    in the step, not twice (a pre-hook of the test's own; the checkpoint calls the module's own forward)."""
+
+    def __init__(self, path):
+        self.path, self.calls, self._handle = path, [], None
+
+    def on_train_start(self, trainer, pl_module):
+        self._handle = pl_module.get_submodule(self.path).register_forward_pre_hook(lambda m, a: self._count())
+
+    @torch.compiler.disable  # inside a compiled region: its list would be a guard of the test's own
+    def _count(self):
+        self.calls[-1] += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.calls.append(0)
+
+    def on_train_end(self, trainer, pl_module):
+        self._handle.remove()
+
+    def steps(self):
+        return [i for i, n in enumerate(self.calls) if n < 2]
+
+
+def test_one_timed_trial_at_a_time_the_policys_contenders_then_the_checkpointing_price(tmp_path):
+    """The policy's contender tables and ActivationCheckpointing's steps without its recompute both time the fit's
+    own steps: run together, each timed the other (a table's step with or without the recompute). The price now waits
+    for the policy's trial: the contenders run on steps 1-6 exactly as alone, and every step without the recompute
+    comes after them."""
+    from precision.test_auto import _row
+    from precision.test_candidates import Chosen, Trialled
+
+    rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("activation", speed=0.5, loss=None, cos=None),
+            _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
+    alone = Trialled()
+    trainer(tmp_path / "alone", [Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0,
+                                        census_every_n_steps=0, trial_rounds=2)], max_steps=12).fit(alone,
+                                                                                                  make_loader(n=96))
+    model = Trialled()
+    policy = Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0, trial_rounds=2)
+    checkpointing = ActivationCheckpointing(modules=["inner"], measure=True, measure_steps=1)
+    unprotected = _Unprotected("inner.0")
+    trainer(tmp_path / "both", [policy, checkpointing, unprotected], max_steps=12).fit(model, make_loader(n=96))
+    assert model.per_step[:7] == alone.per_step[:7]  # the contenders' steps, undisturbed
+    assert "confirmed on training steps" in policy.choice.trial or "best of 2" in policy.choice.trial
+    assert unprotected.steps() == [8, 10]  # counted (7 with, 8 without), then timed (9 with, 10 without)
+    assert checkpointing.price is not None
+
+
+def test_the_checkpointing_price_waits_for_torch_compiles_eager_against_compiled(tmp_path):
+    """TorchCompile times a region eager against compiled on its first calls (C E E C C E after two warm-ups); steps
+    with and without the recompute taking turns beside them would make the compiled calls the checkpointed ones."""
+    model = TinyNet()
+    compiled = TorchCompile(backend="eager", modules=["body"])
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=1)
+    unprotected = _Unprotected("body.0")
+    trainer(tmp_path, [compiled, checkpointing, unprotected], max_steps=14).fit(model, make_loader(n=112))
+    assert compiled.regions["body"].speedup is not None
+    assert unprotected.steps()
+    assert min(unprotected.steps()) >= 8  # after the region's 8 timed and warm-up calls
+    assert checkpointing.price is not None
+
+
+def test_the_checkpointing_price_takes_no_sample_on_a_census_step(tmp_path):
+    """A census step recomputes every op in fp32: the policy's own trial takes no sample there, and neither does the
+    checkpointing price now (a census step among the steps without the recompute made them look slower)."""
+    model = TinyNet()
+    policy = PrecisionPolicy(census_every_n_steps=2, measure=False)
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=2)
+    unprotected = _Unprotected("body.0")
+    trainer(tmp_path, [policy, checkpointing, unprotected], max_steps=16).fit(model, make_loader(n=128))
+    assert checkpointing.price is not None
+    assert unprotected.steps() == [5, 9, 11]  # the counted step without it (5), then timed: with 7, without 9 and 11

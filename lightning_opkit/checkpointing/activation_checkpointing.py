@@ -19,7 +19,7 @@ from lightning_opkit.checkpointing.region import CheckpointedForward
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choices, check_globs, check_int
 from lightning_opkit.core.facts import facts_of
-from lightning_opkit.core.kit import CompilesRegions, offering
+from lightning_opkit.core.kit import CompilesRegions, loaded_besides, measuring_besides, offering
 from lightning_opkit.core.saved import SavedBytes
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
 from lightning_opkit.core.torch_compat import COMPILES_UNDER_SELECTIVE_CHECKPOINT
@@ -77,7 +77,9 @@ class ActivationCheckpointing(OpkitCallback):
     With ``measure=True``, a few steps early in the fit (from the fourth) run with and without checkpointing (every
     rank alike): one step each way counts the activation bytes autograd saves, then timed steps take turns
     (:class:`~lightning_opkit.core.trial.Trial`), counting nothing (the count costs time per saved tensor), and the
-    bytes and the step times are compared: that is the price. Off by default: the steps without checkpointing need the
+    bytes and the step times are compared: that is the price. It begins once no other callback times alternatives on
+    the steps (the policy's contender tables, TorchCompile's eager against compiled): two such trials at once would
+    time each other. Off by default: the steps without checkpointing need the
     memory it frees, and a run that needs checkpointing to fit would run out of memory in them; ask for the price where
     they fit.
 
@@ -136,6 +138,8 @@ class ActivationCheckpointing(OpkitCallback):
         self._saved_bytes: dict[str, int] = {}
         #: the step in flight's arm and whether it is timed (else it counts the bytes saved)
         self._step: tuple[str, bool] | None = None
+        #: steps the measurement waited, ready to begin, for another callback's timed trial
+        self._waited = 0
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """Saved activation bytes and step time, without and with checkpointing."""
@@ -152,10 +156,14 @@ class ActivationCheckpointing(OpkitCallback):
         line = f"activation checkpointing ({what}): {len(self.checkpointed)} block(s)"
         if self.price is not None:
             p = self.price
+            change = f"{p.cut:.0%} less" if p.cut >= 0 else f"{-p.cut:.0%} more: it keeps more than it frees here"
             line += (f"; saved activations {p.saved_without / 2**20:.1f} -> {p.saved_with / 2**20:.1f} MB"
-                     f" ({p.cut:.0%} less), step time x{p.time_ratio:.2f}")
+                     f" ({change}), step time x{p.time_ratio:.2f}")
         elif not self.measure:
             line += "; price not measured (measure=True runs a few steps without checkpointing to measure it)"
+        elif self._waited:
+            line += (f"; price not measured yet: it waited {self._waited} step(s) for another callback timing its"
+                     " alternatives on the training steps (one timed trial at a time)")
         if self.untraced:
             line += (f"; {len(self.untraced)} block(s) with buffers checkpointed outside the compiled graph (torch's"
                      " 'eager' backend fails on a traced checkpoint that updates buffers)")
@@ -217,17 +225,27 @@ class ActivationCheckpointing(OpkitCallback):
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._stop_counting()
         self._regions, self._found = [], []
-        self._trial, self._step = None, None  # a measurement the fit did not finish starts over in the next
+        self._trial, self._step, self._waited = None, None, 0  # a measurement left unfinished starts over
 
     # the measurement: warm-up, one counted step each way, then timed steps with, without, without, with, ...
 
-    def _phase(self) -> tuple[str, bool] | None:
+    @property
+    def measuring_steps(self) -> bool:
+        """Whether its steps with and without checkpointing are under way (the kit runs one timed trial at a time)."""
+        return self._trial is not None and self._trial.calls > _WARMUP and self.price is None
+
+    def _phase(self, trainer: pl.Trainer) -> tuple[str, bool] | None:
         """This step's arm, ``"with"`` or ``"without"`` checkpointing, and whether it is timed; ``None``: neither."""
         if not self.measure or self.price is not None:
             return None
         if self._trial is None:
             self._trial = Trial(["with", "without"], rounds=self.measure_steps, warmup=_WARMUP + len(_COUNTED))
             self._saved_bytes = {}
+        if self._trial.calls == _WARMUP and measuring_besides(trainer, self):
+            self._waited += 1  # its first arm would time the other's alternatives too: not begun yet
+            return None
+        if self._trial.calls >= _WARMUP and loaded_besides(trainer, self):
+            return None  # a census step: every op recomputed in fp32, no fair sample (the step runs checkpointed)
         arm, counted = self._trial.next(), self._trial.calls - 1 - _WARMUP
         if arm != WARMUP:
             return (arm, True) if arm is not None else None
@@ -237,7 +255,7 @@ class ActivationCheckpointing(OpkitCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._close_sample(trainer, pl_module)
-        self._step = step = self._phase()
+        self._step = step = self._phase(trainer)
         assert self._saved is not None
         for region in self._regions:
             region.enabled = step is None or step[0] != "without"

@@ -144,6 +144,11 @@ class TorchCompile(OpkitCallback):
         self._limit_hit: set[Any] = set()
 
     @property
+    def measuring_steps(self) -> bool:
+        """Whether a region that ran is still timed eager against compiled (the kit runs one timed trial at a time)."""
+        return self.measure and not self.error and any(r.calls and r.speedup is None for r in self.regions.values())
+
+    @property
     def step_times_s(self) -> list[float]:
         """Steady steps' times (no compile in them), in seconds, on the device's clock (CUDA events on a GPU)."""
         return self._clock.seconds()

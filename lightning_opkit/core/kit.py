@@ -12,7 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 from torch import nn
 
-__all__ = ["CompilesRegions", "HearsOfFailure", "Member", "PinsModules", "RunsModulesInDtype", "members", "offering"]
+__all__ = ["CompilesRegions", "HearsOfFailure", "LoadsSteps", "Member", "PinsModules", "RunsModulesInDtype",
+           "TimesSteps", "loaded_besides", "measuring_besides", "members", "offering"]
 
 
 @runtime_checkable
@@ -66,6 +67,33 @@ class CompilesRegions(Protocol):
     backend: str
 
 
+
+@runtime_checkable
+class TimesSteps(Protocol):
+    """Times alternatives on the fit's own training steps (a :class:`~lightning_opkit.core.trial.Trial`).
+
+    Two such trials at once would time each other: the policy's contender tables on steps with and without
+    ActivationCheckpointing's recompute, and the other way round. So one runs at a time: a trial that has not begun
+    waits while another member's ``measuring_steps`` is true, and one that has begun goes on.
+    """
+
+    @property
+    def measuring_steps(self) -> bool:
+        """Whether it is timing alternatives on the training steps now (from its first timed step to its verdict)."""
+        ...
+
+
+@runtime_checkable
+class LoadsSteps(Protocol):
+    """Does extra work on some training steps: a timed trial takes no sample there.
+
+    The policy's census step recomputes every op in fp32.
+    """
+
+    def loads_step(self, step: int) -> bool:
+        """Whether training step ``step`` (the global step) carries its extra work."""
+        ...
+
 def members(trainer: pl.Trainer) -> list[Member]:
     """The opkit callbacks of ``trainer`` that are on, in its order (the first writes what is written once per run).
 
@@ -90,3 +118,23 @@ def offering(trainer: pl.Trainer, offer: type[Any]) -> Iterator[Any]:
         []
     """
     return (c for c in members(trainer) if isinstance(c, offer))
+
+
+def loaded_besides(trainer: pl.Trainer, me: Any) -> bool:
+    """Whether an opkit callback other than ``me`` does extra work on the step about to run (:class:`LoadsSteps`).
+
+    Example:
+        >>> loaded_besides(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False), None)
+        False
+    """
+    return any(c is not me and c.loads_step(trainer.global_step) for c in offering(trainer, LoadsSteps))
+
+
+def measuring_besides(trainer: pl.Trainer, me: Any) -> bool:
+    """Whether an opkit callback other than ``me`` times alternatives on the training steps now (:class:`TimesSteps`).
+
+    Example:
+        >>> measuring_besides(pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False), None)
+        False
+    """
+    return any(c is not me and c.measuring_steps for c in offering(trainer, TimesSteps))

@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.deprecations import renamed
 from lightning_opkit.core.facts import RunFacts, facts_of
-from lightning_opkit.core.kit import CompilesRegions, offering
+from lightning_opkit.core.kit import CompilesRegions, measuring_besides, offering
 from lightning_opkit.core.select import match_rule, resolve_modules
 from lightning_opkit.precision.auto import AutoPrecision
 from lightning_opkit.precision.candidates import StepChoice
@@ -114,7 +114,8 @@ class PrecisionPolicy(OpkitCallback):
         trial_rounds: with ``whole_step``, confirm the candidates that come close on the measured rows on the next
             real training steps: each runs this many steps (they train as usual) and the fastest median trains on;
             0 = take the choice on the measured rows. Not under TorchCompile (each table would recompile) nor with
-            gradient accumulation.
+            gradient accumulation; a census step, or a step another callback times its own alternatives on
+            (ActivationCheckpointing's price), is no sample.
         fp8_recipe: torchao's float8 scaling where a rule or override says ``"fp8"``: ``"tensorwise"`` (one dynamic
             scale per tensor) or ``"rowwise"`` (one per row: finer, more to compute). See the fp8 section of the page.
         try_fp8: with ``rules="auto"``, measure each Linear in float8 (its GEMMs' time at this run's shapes against its
@@ -218,6 +219,15 @@ class PrecisionPolicy(OpkitCallback):
     def choice(self) -> StepChoice | None:
         """With ``rules="auto"`` and ``whole_step``: the candidate tables, their times and errors, the one chosen."""
         return self._auto.choice
+
+    def loads_step(self, step: int) -> bool:
+        """Whether training step ``step`` is a census step (every op recomputed in fp32: no timed sample there)."""
+        return self.census_every_n_steps > 0 and step % self.census_every_n_steps == 0
+
+    @property
+    def measuring_steps(self) -> bool:
+        """Whether contender tables are being timed on the training steps (the kit runs one such trial at a time)."""
+        return self._auto.trialing
 
     @property
     def measure_seconds(self) -> float:
@@ -397,10 +407,12 @@ class PrecisionPolicy(OpkitCallback):
         self.fp8.gather.precompute_scales()  # after any measurement or plan: the weights the step gathers
 
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        step, n = trainer.global_step, self.census_every_n_steps
-        census_step = self._governor.census_step = n > 0 and step % n == 0
+        step = trainer.global_step
+        census_step = self._governor.census_step = self.loads_step(step)
         if self._auto.trialing and self._schedule.measured_at != step:
-            plan = self._auto.begin_trial_step(pl_module.device, census_step)
+            # not a fair sample on a census step (every op recomputed in fp32) nor while another callback times its
+            # alternatives on the steps (ActivationCheckpointing's steps without the recompute, say)
+            plan = self._auto.begin_trial_step(pl_module.device, census_step or measuring_besides(trainer, self))
             if plan is not None:
                 self._apply(pl_module, plan)
         what = self._schedule.at(step)

@@ -148,11 +148,13 @@ def test_recompute_runs_in_the_policys_dtypes_and_the_census_counts_once(tmp_pat
 @pytest.mark.parametrize("order", ["compile first", "checkpointing first", "whole model compiled"])
 def test_composes_with_torch_compile_in_either_order(tmp_path, recwarn, order):
     modules = None if order == "whole model compiled" else "auto"
-    compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules=modules, backend="eager")])[1]
-    checkpointing = ActivationCheckpointing(measure=True, measure_steps=2)
+    # 13 steps: the price begins after TorchCompile's eager-against-compiled calls (8), one timed trial at a time
+    compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules=modules, backend="eager")],
+                           steps=13)[1]
+    checkpointing = ActivationCheckpointing(measure=True, measure_steps=1)
     compiler = TorchCompile(modules=modules, backend="eager")
     callbacks = [checkpointing, compiler] if order == "checkpointing first" else [compiler, checkpointing]
-    model, losses = _fit(tmp_path / "ca", "torch_encoder", callbacks)
+    model, losses = _fit(tmp_path / "ca", "torch_encoder", callbacks, steps=13)
     assert losses == pytest.approx(compiled_losses, rel=1e-5)
     assert checkpointing.checkpointed == ["model.encoder.layers.0", "model.encoder.layers.1"]
     assert compiler.error is None

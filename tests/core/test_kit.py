@@ -7,8 +7,11 @@ from lightning_opkit import ActivationCheckpointing, NaNDetector, PrecisionPolic
 from lightning_opkit.core.kit import (
     CompilesRegions,
     HearsOfFailure,
+    LoadsSteps,
     PinsModules,
     RunsModulesInDtype,
+    TimesSteps,
+    measuring_besides,
     members,
     offering,
 )
@@ -24,9 +27,13 @@ def test_the_five_are_members_in_order_and_each_offers_what_it_makes():
     trainer = _trainer([pl.Callback(), *kit])
     assert members(trainer) == kit  # Lightning's own callbacks and a plain one are not
     offers = {offer.__name__: [type(c).__name__ for c in offering(trainer, offer)]
-              for offer in (CompilesRegions, HearsOfFailure, PinsModules, RunsModulesInDtype)}
+              for offer in (CompilesRegions, HearsOfFailure, LoadsSteps, PinsModules, RunsModulesInDtype, TimesSteps)}
     assert offers == {"CompilesRegions": ["TorchCompile"], "HearsOfFailure": ["ProfilerWindows"],
-                      "PinsModules": ["PrecisionPolicy"], "RunsModulesInDtype": ["PrecisionPolicy"]}
+                      "LoadsSteps": ["PrecisionPolicy"],
+                      "PinsModules": ["PrecisionPolicy"], "RunsModulesInDtype": ["PrecisionPolicy"],
+                      "TimesSteps": ["PrecisionPolicy", "TorchCompile", "ActivationCheckpointing"]}
+    # before a fit nothing times its alternatives on the steps
+    assert not any(measuring_besides(trainer, c) for c in kit)
 
 
 def test_a_callback_that_is_off_is_no_member():
