@@ -219,3 +219,26 @@ def test_the_checkpointing_price_takes_no_sample_on_a_census_step(tmp_path):
     trainer(tmp_path, [policy, checkpointing, unprotected], max_steps=16).fit(model, make_loader(n=128))
     assert checkpointing.price is not None
     assert unprotected.steps() == [5, 9, 11]  # the counted step without it (5), then timed: with 7, without 9 and 11
+
+
+def test_a_compiled_region_called_only_without_grad_holds_no_trial_back(tmp_path):
+    """TorchCompile times a region on its training calls (grad on); a region only ever called under no_grad (a frozen
+    part of the model) never begins its trial, and must not keep the checkpointing price waiting for it."""
+
+    class FrozenHead(TinyNet):
+        def forward(self, x):
+            with torch.no_grad():
+                x = self.frozen(x)
+            return super().forward(x)
+
+        def __init__(self):
+            super().__init__()
+            self.frozen = torch.nn.Linear(8, 8)
+
+    model = FrozenHead()
+    compiled = TorchCompile(backend="eager", modules=["frozen"])
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=1)
+    trainer(tmp_path, [compiled, checkpointing], max_steps=8).fit(model, make_loader())
+    assert compiled.regions["frozen"].calls >= 8
+    assert compiled.regions["frozen"].speedup is None  # never timed
+    assert checkpointing.price is not None

@@ -151,6 +151,7 @@ class CompiledForward:
         if self.trial is None or self.trial.done or stance() != "default" or not torch.is_grad_enabled() or \
                 RECOMPUTING.depth:  # an activation checkpoint's recompute in backward is not a call of the step
             return None
+        self.region.timing = True
         return self.trial.next()
 
     def _timed(self, slot: str | None, args: tuple, kwargs: dict) -> Any:

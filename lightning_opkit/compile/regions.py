@@ -33,6 +33,7 @@ class Region:
     unexpected: list[str] = field(default_factory=list)
     expected_seen: Counter[str] = field(default_factory=Counter)
     speedup: float | None = None  # eager time / compiled time, once measured
+    timing: bool = False  # its eager-against-compiled calls have begun (until ``speedup`` is set)
     eager: bool = False  # switched to eager on its recompile limit
     slower: bool = False  # runs eagerly: compiled measured slower (eager_if_slower)
 

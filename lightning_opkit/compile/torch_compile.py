@@ -145,8 +145,12 @@ class TorchCompile(OpkitCallback):
 
     @property
     def measuring_steps(self) -> bool:
-        """Whether a region that ran is still timed eager against compiled (the kit runs one timed trial at a time)."""
-        return self.measure and not self.error and any(r.calls and r.speedup is None for r in self.regions.values())
+        """Whether a region is being timed eager against compiled (the kit runs one timed trial at a time).
+
+        From its first timed call: a region only ever called without grad (a frozen part) never begins, and holds
+        no other trial back.
+        """
+        return self.measure and not self.error and any(r.timing and r.speedup is None for r in self.regions.values())
 
     @property
     def step_times_s(self) -> list[float]:
