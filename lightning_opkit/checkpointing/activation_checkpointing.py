@@ -275,6 +275,13 @@ class ActivationCheckpointing(OpkitCallback):
         self._stop_counting()  # the forward is done: what autograd saved is what the step holds until backward
 
     @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # the step ends here, optimizer step included: not at the next batch's start, which after an epoch's last
+        # batch comes after the whole validation loop
+        self._close_sample(trainer, pl_module)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_sample(trainer, pl_module)
 
@@ -284,7 +291,7 @@ class ActivationCheckpointing(OpkitCallback):
             counting.__exit__(None, None, None)
 
     def _close_sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At the next batch's start: the measured step's time (batch start to batch start) or bytes."""
+        """At the batch's end: the measured step's time (batch start to batch end) or bytes."""
         if self._step is None:
             return
         (arm, timed), self._step = self._step, None

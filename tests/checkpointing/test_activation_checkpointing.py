@@ -401,3 +401,24 @@ def test_timed_steps_count_nothing_so_the_count_does_not_price_itself(tmp_path):
     assert checkpointing.price is not None
     assert hooked.steps == [3, 4]  # after three warm-up steps, the two counting steps only
     assert 0 < checkpointing.price.saved_with < checkpointing.price.saved_without
+
+
+def test_a_timed_step_ends_at_its_batch_end_not_after_the_validation_that_follows(tmp_path):
+    """A step's time ran from its batch's start to the next one's: the last batch of an epoch then held the whole
+    validation loop. Here the validation sleeps a second and the first timed step is an epoch's last."""
+    import time
+
+    from helpers import TinyNet, make_loader
+
+    class SlowValidation(TinyNet):
+        def validation_step(self, batch, batch_idx):
+            time.sleep(1.0)
+
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=1, logger=False,
+                         callbacks=[checkpointing], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(SlowValidation(), make_loader(), make_loader())
+    price = checkpointing.price
+    assert price is not None  # warm-up 0-2, counted 3-4, timed 5 (the epoch's last, with) and 6 (without)
+    assert price.step_s_with < 1.0, price  # the step alone, not the second of validation after it
