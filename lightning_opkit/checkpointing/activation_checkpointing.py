@@ -79,9 +79,8 @@ class ActivationCheckpointing(OpkitCallback):
     (:class:`~lightning_opkit.core.trial.Trial`), counting nothing (the count costs time per saved tensor), and the
     bytes and the step times are compared: that is the price. It begins once no other callback times alternatives on
     the steps (the policy's contender tables, TorchCompile's eager against compiled): two such trials at once would
-    time each other. Off by default: the steps without checkpointing need the
-    memory it frees, and a run that needs checkpointing to fit would run out of memory in them; ask for the price where
-    they fit.
+    time each other. Off by default: the steps without checkpointing need the memory it frees, and a run that needs
+    checkpointing to fit would run out of memory in them; ask for the price where they fit.
 
     Args:
         modules: ``None`` (or ``"auto"``): the model's repeated blocks (children of a ``ModuleList``/``Sequential``
