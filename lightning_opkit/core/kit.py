@@ -67,7 +67,6 @@ class CompilesRegions(Protocol):
     backend: str
 
 
-
 @runtime_checkable
 class TimesSteps(Protocol):
     """Times alternatives on the fit's own training steps (a :class:`~lightning_opkit.core.trial.Trial`).
@@ -93,6 +92,7 @@ class LoadsSteps(Protocol):
     def loads_step(self, step: int) -> bool:
         """Whether training step ``step`` (the global step) carries its extra work."""
         ...
+
 
 def members(trainer: pl.Trainer) -> list[Member]:
     """The opkit callbacks of ``trainer`` that are on, in its order (the first writes what is written once per run).
