@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_opkit.core.warn import warn_once
 
-__all__ = ["write_trace"]
+__all__ = ["write_trace", "write_trace_or_warn"]
 
 
 def write_trace(prof: Any, folder: str, rank: int, step: int, gzip: bool, written: list[str],
