@@ -21,7 +21,13 @@ import torch._inductor.config
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_opkit.compile.compiled_forward import CompiledForward, RegionHooks, limit_message, nothing_compiled
+from lightning_opkit.compile.compiled_forward import (
+    CompiledForward,
+    RegionHooks,
+    limit_message,
+    nothing_compiled,
+    shared_trials,
+)
 from lightning_opkit.compile.config import check_compile_args, make_backend
 from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code
 from lightning_opkit.compile.state_keys import loading_old_checkpoints
@@ -65,11 +71,12 @@ class TorchCompile(OpkitCallback):
             dynamo silently runs it eagerly): ``"warn"`` names the guard that keeps failing; ``"eager"`` warns, then
             runs that region with ``torch.compiler.set_stance("eager_on_recompile")`` (its compiled code is reused,
             nothing new is compiled); ``"raise"`` raises a ``RuntimeError``.
-        measure: measure before deciding: once per region, after it has compiled, time it compiled against eager on
-            its own next training calls (two warm-up calls, then three of each, alternating; no extra call, on the
-            device's clock) and report eager / compiled time; the price is three of each region's calls run eagerly
-            once. ``False`` times nothing, and every region stays compiled. (Was ``measure_speedup``, which was off by
-            default while ``eager_if_slower`` timed anyway.)
+        measure: measure before deciding: once per region, after it has compiled, time it compiled against eager on its
+            own next training calls (two warm-up calls, then three of each, alternating; no extra call, on the device's
+            clock) and report eager / compiled time; the price is three of each region's calls run eagerly once.
+            Identical regions (the same compiled code and parameter shapes: repeated blocks) pool their calls into one
+            trial and take one verdict. ``False`` times nothing, and every region stays compiled. (Was
+            ``measure_speedup``, which was off by default while ``eager_if_slower`` timed anyway.)
         eager_if_slower: with ``measure``, where eager measured at least 5% faster than compiled, run that region
             eagerly from then on (its compiled code kept, unused); named in the regions table,
             ``opkit/compile/eager_regions`` and the roofline's levers. On by default: compiling is meant to speed
@@ -176,14 +183,19 @@ class TorchCompile(OpkitCallback):
                             speedup=self.measure, eager_if_slower=self.measure and self.eager_if_slower,
                             sizes_dynamic=self.dynamic is not False,
                             agree=lambda value: trainer.strategy.broadcast(value, src=0))
+        built = []
         for name, module in targets:
             # ``forward`` itself, not ``_call_impl``: dynamo converts no frame of a compiled ``_call_impl`` (nor of
             # ``nn.Module.compile()``) for torch.nn's own modules, whose code it skips; a compiled ``forward`` is
             # traced for every module. The module's own hooks then run eagerly around the compiled region.
             original = module.forward
             compiled = torch.compile(original, backend=backend, fullgraph=self.fullgraph, dynamic=self.dynamic)
-            region = self.regions[name] = Region(name, code=compiled_code(compiled))
-            self._patches.set(module, "forward", CompiledForward(module, region, original, compiled, self.watch, hooks))
+            built.append((module, Region(name, code=compiled_code(compiled)), original, compiled))
+        shared = shared_trials([(region, module) for module, region, _, _ in built])
+        for (module, region, original, compiled), trial in zip(built, shared, strict=True):
+            self.regions[region.name] = region
+            self._patches.set(module, "forward", CompiledForward(module, region, original, compiled, self.watch, hooks,
+                                                                 trial))
         self._patches.set(pl_module, "on_load_checkpoint", loading_old_checkpoints(pl_module.on_load_checkpoint))
         self.compiled = [name for name, _ in targets]
         self._batches, self._checked_frames, self.error = 0, False, None

@@ -422,3 +422,30 @@ def test_a_timed_step_ends_at_its_batch_end_not_after_the_validation_that_follow
     price = checkpointing.price
     assert price is not None  # warm-up 0-2, counted 3-4, timed 5 (the epoch's last, with) and 6 (without)
     assert price.step_s_with < 1.0, price  # the step alone, not the second of validation after it
+
+
+def test_a_recompute_runs_the_code_its_forward_ran_when_its_blocks_verdict_lands_mid_step(tmp_path):
+    """Identical blocks share one speed trial: the call that ends it (the last block's) can switch the earlier blocks
+    to eager after their forwards ran compiled in the same step. Their recomputes in backward must still run what the
+    forwards ran (aot_eager saves other tensors than eager code, and the checkpoint checks it saved the same)."""
+    import time
+
+    from torch._dynamo import register_backend
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def slow_compiler(gm, example_inputs):
+        def run(*args):
+            time.sleep(0.02)  # compiled 20 ms a call: measured slower than eager, busy machine or not
+            return gm(*args)
+
+        return make_boxed_func(run)
+
+    register_backend(aot_autograd(fw_compiler=slow_compiler), name="opkit_test_slow_aot")
+    compiler = TorchCompile(modules="auto", backend="opkit_test_slow_aot")
+    checkpointing = ActivationCheckpointing(measure=False)
+    _, losses = _fit(tmp_path, "torch_encoder", [compiler, checkpointing], steps=10)
+    regions = list(compiler.regions.values())
+    assert len(regions) == 2
+    assert all(r.slower for r in regions)  # one verdict for both, reached inside a step
+    assert len(losses) == 10
