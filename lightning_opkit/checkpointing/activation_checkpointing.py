@@ -253,7 +253,6 @@ class ActivationCheckpointing(OpkitCallback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._close_sample(trainer, pl_module)
         self._step = step = self._phase(trainer)
         assert self._saved is not None
         for region in self._regions:
