@@ -56,9 +56,9 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 	@echo "Open docs/_build/html/index.html"
 
-# the tag reference page, from lightning_opkit/core/tags.py (a test fails while it is stale)
+# the tag reference page, from lightning_opkit/core/logging.py (a test fails while it is stale)
 docs-tags: $(STAMP)
-	$(PY) -c "from lightning_opkit.core.tags import markdown; print(markdown(), end='')" > docs/tags.md
+	$(PY) -c "from lightning_opkit.core.logging import tags_markdown; print(tags_markdown(), end='')" > docs/tags.md
 
 # the pictures on the docs pages: trains the example briefly, serves the logs, headless Chromium takes them
 screenshots: $(STAMP)

@@ -1,7 +1,9 @@
-"""Reversible instance-attribute patches and hook handles, removed idempotently."""
+"""Reversible instance-attribute patches and hook handles, removed idempotently; scopes counted as they nest."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.hooks import RemovableHandle
@@ -89,3 +91,38 @@ def _undo(record: list[Any]) -> None:
         vars(obj).pop(name, None)
     else:
         vars(obj)[name] = old
+
+
+# A nesting counter lives here too: a scope entered and left as exactly as a patch is set and undone.
+
+
+class Nesting:
+    """Counts how deep inside a scope the program is; true while inside at least once.
+
+    Read as ``nesting.depth`` (one attribute load) where every op pays for the read.
+
+    Example:
+        >>> replaying = Nesting()
+        >>> with replaying.scope():
+        ...     with replaying.scope():
+        ...         inside = replaying.depth
+        >>> inside, bool(replaying)
+        (2, False)
+    """
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __bool__(self) -> bool:
+        return self.depth > 0
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Inside, the counter is one deeper (nests; exceptions unwind it)."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1

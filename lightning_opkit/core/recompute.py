@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_opkit.core.nesting import Nesting
+from lightning_opkit.core.patch import Nesting
 
 __all__ = ["RECOMPUTING"]
 

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from lightning_opkit.core.nesting import Nesting
+from lightning_opkit.core.patch import Nesting
 
 __all__ = ["SUSPENDED", "suspending_backend"]
 

@@ -1,34 +1,8 @@
-"""Text as opkit writes it: markdown tables for TensorBoard's text plugin, and one-line exception summaries."""
+"""Words as opkit writes them: reasons, ratios and one-line exception summaries (tables: core/logging.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-__all__ = ["describe_error", "markdown_table", "named_reasons", "times_phrase"]
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Render a markdown table, as TensorBoard's text plugin shows it.
-
-    Args:
-        headers: column names.
-        rows: one sequence of cells per row; floats in fixed point with three decimals (never ``1.372e+04``).
-
-    Example:
-        >>> print(markdown_table(["a", "b"], [[1, 13720.5]]))
-        | a | b |
-        |---|---|
-        | 1 | 13720.500 |
-    """
-
-    def cell(value: Any) -> str:
-        text = _fixed(value) if isinstance(value, float) else str(value)
-        return text.replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+__all__ = ["describe_error", "named_reasons", "times_phrase"]
 
 
 def named_reasons(reasons: dict[str, str], most: int = 6) -> str:
@@ -50,14 +24,6 @@ def times_phrase(ratio: float) -> str:
         ('2.00x faster', '2.17x slower')
     """
     return f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
-
-
-def _fixed(value: float) -> str:
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
-    if value == 0 or abs(value) >= 1e-3:
-        return f"{value:.3f}"
-    return f"{value:.1e}"  # below a thousandth, three decimals would read as zero
 
 
 def describe_error(err: BaseException, limit: int | None = 160) -> str:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.ranks import local
-from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import classify_module
 

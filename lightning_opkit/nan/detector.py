@@ -1,9 +1,9 @@
 """NaNDetector: find the first non-finite value in forward, backward or loss, name its module, lose nothing.
 
-The callback orchestrates Trainer-free parts: the per-step check (:mod:`~lightning_opkit.nan.check`), the step
-skipper and its per-batch state (:mod:`~lightning_opkit.nan.skip`: what happens on a skipped step), localization
-(:mod:`~lightning_opkit.nan.locate`), cause diagnosis (:mod:`~lightning_opkit.nan.cause`) and the typed report
-(:mod:`~lightning_opkit.nan.report`).
+The callback orchestrates Trainer-free parts: the per-step check (:mod:`~lightning_opkit.nan.check`), the replays
+that find where a fault starts and why (:mod:`~lightning_opkit.nan.replays`), what is done about it, the step skipper
+and its per-batch state included (:mod:`~lightning_opkit.nan.actions`: what happens on a skipped step), and the typed
+report (:mod:`~lightning_opkit.nan.report`).
 
 Logged (rank zero): ``opkit/nan/events``, ``opkit/nan/skipped_steps``, ``opkit/nan/consecutive_skips`` (scalars, at
 each event and each epoch's end), ``opkit/nan/report`` (the report and its fields) and ``opkit/nan/cause`` (text).
@@ -26,15 +26,14 @@ from lightning_opkit.core.checks import check_bools, check_choice, check_globs, 
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.select import resolve_modules
-from lightning_opkit.nan.actions import Actions, pinner
+from lightning_opkit.nan.actions import Actions, BatchState, StepSkipper, pinner
 from lightning_opkit.nan.check import check, flags, outcome
 from lightning_opkit.nan.dead import DeadWatch, write_dead
 from lightning_opkit.nan.device import DeviceDecision, check_device_decision
 from lightning_opkit.nan.replays import MicroBatch, Replays
 from lightning_opkit.nan.report import NaNReport, NonFiniteError, format_report
 from lightning_opkit.nan.scaler import ScaleWatch
-from lightning_opkit.nan.skip import BatchState, StepSkipper
-from lightning_opkit.nan.spike_report import Spikes
+from lightning_opkit.nan.spike_report import Spikes, report_spike
 
 __all__ = ["NaNDetector", "NonFiniteError", "format_report"]
 
@@ -238,6 +237,7 @@ class NaNDetector(OpkitCallback):
         self._detach()
         self._replays.hooked = (resolve_modules(pl_module, self.modules, owner="NaNDetector")
                                 if self.modules is not None else list(pl_module.named_modules()))
+        self._replays.join(trainer)
         self._skipper.watch_buffers(list(pl_module.buffers()))
         if self.spike_zscore is not None:
             self._spikes.start()
@@ -328,7 +328,7 @@ class NaNDetector(OpkitCallback):
         kind = outcome(checked, spiked, scaler is not None,
                        lambda: self._replays.forward_fault(trainer, pl_module, pending))
         if kind == "spike" and spiked is not None:
-            report = self._replays.spike_report(trainer, pl_module, self._spikes, pending, checked, spiked, optimizer)
+            report = report_spike(self._replays, trainer, pl_module, self._spikes, pending, checked, spiked, optimizer)
             self._actions.act(trainer, pl_module, report)
         elif kind == "healthy":
             self._actions.good_step()

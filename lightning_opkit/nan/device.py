@@ -33,9 +33,8 @@ from lightning_opkit.nan.check import read
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_opkit.nan.actions import Actions
+    from lightning_opkit.nan.actions import Actions, StepSkipper
     from lightning_opkit.nan.replays import MicroBatch, Replays
-    from lightning_opkit.nan.skip import StepSkipper
 
 __all__ = ["DeviceDecision", "HostCopy", "Read", "as_of_step", "check_device_decision", "takes_found_inf"]
 

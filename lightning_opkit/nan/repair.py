@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_opkit.core.fp32 import has_low_weights, hold_fp32
+from lightning_opkit.core.dtypes import has_low_weights, hold_fp32
 from lightning_opkit.core.patch import Patches
 
 __all__ = ["Repairs"]

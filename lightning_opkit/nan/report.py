@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.logging import markdown_table
 
 if TYPE_CHECKING:
     from lightning_opkit.core.logging import LogWriter
@@ -62,7 +62,7 @@ class Origin:
 
 @dataclass(frozen=True)
 class Cause:
-    """Why the step went non-finite (see :mod:`lightning_opkit.nan.cause`), and what to try.
+    """Why the step went non-finite (see :mod:`lightning_opkit.nan.replays`), and what to try.
 
     Args:
         cause: ``"precision"``, ``"data_or_model"``, ``"transient"`` or ``"unknown"``.

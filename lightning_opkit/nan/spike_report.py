@@ -17,20 +17,26 @@ rank builds the same report.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_opkit.nan.cause import climb, replay_in
-from lightning_opkit.nan.check import log_values
-from lightning_opkit.nan.report import Cause, Origin
+from lightning_opkit.core.dtypes import has_low_weights
+from lightning_opkit.core.ranks import Ranks, local
+from lightning_opkit.core.replay import rng_state, set_rng_state
+from lightning_opkit.nan.check import Checked, log_values
+from lightning_opkit.nan.replays import MicroBatch, Replays, climb, from_rank, replay_in
+from lightning_opkit.nan.report import Cause, NaNReport, Origin
 from lightning_opkit.nan.spike import DEPARTS, SpikeWatch, departures
 
-__all__ = ["Found", "SpikeCase", "Spikes", "investigate", "scored_again", "spike_cause", "top_jumps", "where_it_starts"]
+__all__ = ["Found", "SpikeCase", "Spikes", "investigate", "report_spike", "scored_again", "spike_cause",
+           "top_jumps", "where_it_starts"]
 
 
 @dataclass
@@ -283,3 +289,48 @@ class Spikes:
         self.highest = (float(highest[0]), float(highest[1]))
         if self.watch is not None:
             self.watch.load_state_dict(self._state)
+
+
+def report_spike(replays: Replays, trainer: pl.Trainer, pl_module: pl.LightningModule, spikes: Spikes,
+                 pending: list[MicroBatch], checked: Checked, kind: str,
+                 optimizer: torch.optim.Optimizer) -> NaNReport:
+    """A spike's report: where it starts, what jumped, and why (see :func:`investigate`).
+
+    Args:
+        replays: the detector's replays (its watched modules, the step's loss as replayed, the kit it found).
+        trainer: the Trainer.
+        pl_module: the LightningModule, on the weights the step ran on.
+        spikes: the detector's spike statistics.
+        pending: the step's micro-batches.
+        checked: the step's check (its values, norms and this rank's own values).
+        kind: ``"loss"`` or ``"gradient"``: what spiked.
+        optimizer: the optimizer about to step.
+    """
+    if checked.local is None or spikes.watch is None:
+        raise RuntimeError("NaNDetector: a spike was scored without a spike watch")
+    ranks, resume_rng = Ranks(pl_module.device), rng_state()
+    own_loss, own_norm = checked.local.tolist()  # the slow path: syncs freely
+    own = spikes.watch.scores(log_values(own_loss, own_norm))[0 if kind == "loss" else 1]
+    # the rank that spiked highest (the lowest on a tie)
+    rank = max(enumerate(ranks.gather(own)), key=lambda rv: rv[1])[0]
+    agree = functools.partial(from_rank, ranks, rank)
+    micro = max(pending, key=lambda m: -math.inf if m.loss is None else m.loss.float().mean().item())
+    good, n = spikes.last_good, max(len(pending), 1)
+    step_loss = replays.step_loss
+    case = SpikeCase(pl_module, replays.hooked, functools.partial(step_loss, trainer, pl_module, micro),
+                     micro.rng, None if good is None else (step_loss(trainer, pl_module, good), good.rng),
+                     micro.batch_idx, kind, spikes.zscore, 1 / n)
+    names = {id(p): name for name, p in pl_module.named_parameters()}
+    stepped = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
+               if p.grad is not None and not local(p.grad).is_sparse and local(p.grad).numel()]
+    lowered = "mixed" in str(trainer.precision) or has_low_weights(pl_module) or bool(replays.policies)
+    try:
+        found = investigate(case, spikes.watch, lambda: top_jumps(checked.norms, spikes.running, stepped),
+                            replays.policies, lowered, replays.ran_compiled, agree)
+    finally:
+        set_rng_state(resume_rng)
+    # the loss as training_step returned it: Lightning hands on_before_backward it divided by the accumulation
+    loss = agree(None if micro.loss is None else micro.loss.float().mean().item() * n)
+    report = NaNReport(trainer.global_step, trainer.current_epoch, micro.batch_idx, rank, found.origin, found.cause)
+    return dataclasses.replace(report, kind="spike", loss=loss, zscore=spikes.watch.scores(checked.values)[
+        0 if kind == "loss" else 1], top_modules=found.top_modules, top_parameters=found.top_parameters)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_opkit.core.step_loss import training_loss
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.logging import markdown_table
+from lightning_opkit.core.replay import training_loss
 from lightning_opkit.core.trial import Trial
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES

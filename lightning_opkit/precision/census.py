@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_opkit.core.dtypes import cast, short_name
-from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.dtypes import autocast_off, cast, short_name
+from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.ranks import local_floats
 from lightning_opkit.core.replay import rng_state, set_rng_state
-from lightning_opkit.core.text import markdown_table
 from lightning_opkit.core.torch_compat import outside_dispatch_modes
 from lightning_opkit.precision.dtypes import LOW
 

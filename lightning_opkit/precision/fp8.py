@@ -30,12 +30,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_opkit.core.checks import check_bools, check_choice
-from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.dtypes import autocast_off
+from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.select import match_rule
 from lightning_opkit.core.suspend import SUSPENDED
-from lightning_opkit.core.text import markdown_table, named_reasons
+from lightning_opkit.core.text import named_reasons
 from lightning_opkit.core.torch_compat import outside_dispatch_modes
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import FP8

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.dtypes import autocast_off
 from lightning_opkit.core.fsdp import gathers_extensions, local_shard, swap_local_shard, weight_records
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import named_reasons

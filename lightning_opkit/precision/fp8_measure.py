@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_opkit.core.dtypes import autocast_off
 from lightning_opkit.core.facts import CLEARLY_SLOWER, FASTER
-from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.suspend import SUSPENDED
-from lightning_opkit.core.text import describe_error, markdown_table, times_phrase
+from lightning_opkit.core.text import describe_error, times_phrase
 from lightning_opkit.core.timing import at_shapes
 from lightning_opkit.precision.decide import Decision
 from lightning_opkit.precision.dtypes import DTYPES

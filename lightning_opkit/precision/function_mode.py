@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_opkit.core.dtypes import autocast_off
 from lightning_opkit.core.dynamo_compat import skip_code
-from lightning_opkit.core.fp32 import autocast_off
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.replay import rng_state

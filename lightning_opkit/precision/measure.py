@@ -18,8 +18,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
-from lightning_opkit.core.replay import loss_of
-from lightning_opkit.core.step_loss import training_loss
+from lightning_opkit.core.replay import loss_of, training_loss
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.precision.census import Census
 from lightning_opkit.precision.dtypes import GOVERNED, describe_device

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from lightning_opkit.core.deprecations import OpkitDeprecationWarning
-from lightning_opkit.core.text import markdown_table, times_phrase
+from lightning_opkit.core.logging import markdown_table
+from lightning_opkit.core.text import times_phrase
 from lightning_opkit.opclass import OP_CLASSES
 
 __all__ = ["Measurement", "PrecisionMeasurements", "speed_phrase"]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_opkit.core.fp32 import autocast_off
+from lightning_opkit.core.dtypes import autocast_off
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.replay import REPLAYING, preserved, quiet_logging, run_step
 from lightning_opkit.precision.census import Census

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_opkit.core.facts import Fp8Fact, RunFacts, SpeedFact
-from lightning_opkit.core.logging import LogWriter
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.logging import LogWriter, markdown_table
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import CensusRow, census_markdown, merge_rows, near_overflow

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_opkit.core.logging import LogWriter
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.logging import LogWriter, markdown_table
 from lightning_opkit.profiler.op_times import WindowReport
 from lightning_opkit.profiler.roofline.report import RooflineReport
 from lightning_opkit.profiler.roofline.view import log_roofline

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from lightning_opkit.core.logging import LogWriter
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.logging import LogWriter, markdown_table
 from lightning_opkit.profiler.memory import MemoryReport
 
 __all__ = ["blocks_figure", "log_memory", "memory_summary", "out_of_memory_lines"]

@@ -1,14 +1,18 @@
 """``logger=False``: opkit writes no file unless the user gives ``log_dir`` (core/logging.py, core/summary.py)."""
 
+import ast
 import os
+import pathlib
+import re
 
 import lightning.pytorch as pl
 import pytest
-from helpers import TinyNet, make_loader, read_events
+from helpers import ROOT, TinyNet, make_loader, read_events
 from zoo import build
 
+import lightning_opkit
 from lightning_opkit import ActivationCheckpointing, NaNDetector, PrecisionPolicy, ProfilerWindows, TorchCompile
-from lightning_opkit.core.logging import LogWriter
+from lightning_opkit.core.logging import TAGS, LogWriter, UnlistedTagWarning, markdown_table, tags_markdown
 
 
 def _kit(**kw):
@@ -179,3 +183,43 @@ def test_a_refusal_quotes_the_values_the_user_passed():
         assert TorchCompile(measure_speedup=False, measure=False).measure is False  # both say: time nothing
         with pytest.raises(ValueError, match=r"measure_speedup=True, measure=False"):
             TorchCompile(measure_speedup=True, measure=False)
+
+
+# The tag reference (core/logging.py): every tag written is listed, and docs/tags.md is made from the list.
+
+
+def test_a_tag_the_reference_does_not_list_warns_once(tmp_path):
+    writer = LogWriter(pl.Trainer(logger=False), log_dir=str(tmp_path))
+    with pytest.warns(UnlistedTagWarning, match="scalar 'opkit/nan/evnets'.*core/logging.py does not list"):
+        writer.scalar("opkit/nan/evnets", 1.0, 0)
+    with pytest.warns(UnlistedTagWarning, match="text 'opkit/nan/events'"):  # listed as a scalar, not a text
+        writer.text("opkit/nan/events", "x", 0)
+    writer.scalar("opkit/profiler/matmul/self_ms", 1.0, 0)  # <class> families are listed once
+    writer.close()
+
+
+def _without_the_table(path: pathlib.Path) -> str:
+    """The file's source, less the tag table's own lines (a tag listed there is not a tag written)."""
+    text = path.read_text()
+    tables = [n for n in ast.parse(text).body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
+              getattr(getattr(n, "target", None) or n.targets[0], "id", "") == "TAGS"]
+    lines = text.splitlines()
+    for node in tables:
+        lines[node.lineno - 1:node.end_lineno] = []
+    return "\n".join(lines)
+
+
+def test_the_tag_reference_page_is_made_from_the_list_and_each_listed_tag_is_written_somewhere():
+    page = os.path.join(ROOT, "docs", "tags.md")
+    with open(page) as f:
+        assert f.read() == tags_markdown(), "docs/tags.md is stale: make docs-tags"
+    package = pathlib.Path(lightning_opkit.__file__).parent
+    source = "".join(_without_the_table(p) for p in package.rglob("*.py"))
+    for tag in TAGS:  # its last part appears in the code that writes it, as the tag or as a scalar's key
+        assert re.search(rf"[\"/']{re.escape(tag.name.rsplit('/', 1)[1])}[\"']", source), tag.name
+
+
+def test_markdown_table_escapes_pipes_and_keeps_small_floats_visible():
+    assert markdown_table(["x"], [["a|b"]]).splitlines()[-1] == "| a\\|b |"
+    assert markdown_table(["x"], [[0.00012]]).splitlines()[-1] == "| 1.2e-04 |"  # not 0.000
+    assert markdown_table(["x"], [[float("nan")]]).splitlines()[-1] == "| nan |"

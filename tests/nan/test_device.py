@@ -8,8 +8,8 @@ from zoo import CASES, build
 
 from lightning_opkit import NaNDetector, NonFiniteError, TorchCompile
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.nan.actions import StepSkipper
 from lightning_opkit.nan.device import DeviceDecision
-from lightning_opkit.nan.skip import StepSkipper
 
 FAULTS = {"forward": 1, "backward": 2, "param": 3, "loss": 4}
 LR_ONLY = {"state.optim[0].param_groups[0].lr", "state.lr[0]"}

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_opkit.core.logging import LogWriter
-from lightning_opkit.core.text import markdown_table
+from lightning_opkit.core.logging import LogWriter, markdown_table
 from lightning_opkit.profiler.roofline.levers import lever
 from lightning_opkit.profiler.roofline.plot import roofline_figure
 from lightning_opkit.profiler.roofline.report import RooflineReport
