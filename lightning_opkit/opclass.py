@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_opkit.core.torch_compat import ConvNd, DropoutNd, Loss, NormBase
+
 __all__ = [
     "GEMM_CLASSES",
     "GOVERNED",
@@ -180,11 +182,11 @@ _NAME_TO_CLASS: dict[str, str] = {name: cls for cls, names in _NAMES.items() for
 
 _MODULE_TYPES: tuple[tuple[tuple[type[nn.Module], ...], str], ...] = (
     ((nn.Linear, nn.Bilinear, nn.LazyLinear), "matmul"),
-    ((nn.modules.conv._ConvNd,), "conv"),
+    ((ConvNd,), "conv"),
     ((nn.MultiheadAttention,), "attention"),
     (
         (
-            nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm,
+            nn.LayerNorm, nn.GroupNorm, NormBase, nn.LocalResponseNorm,
             *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
         ),
         "norm",
@@ -198,10 +200,10 @@ _MODULE_TYPES: tuple[tuple[tuple[type[nn.Module], ...], str], ...] = (
         ),
         "activation",
     ),
-    ((nn.modules.loss._Loss,), "loss"),
+    ((Loss,), "loss"),
     ((nn.Embedding, nn.EmbeddingBag), "embedding"),
     ((nn.RNNBase, nn.RNNCellBase), "rnn"),
-    ((nn.modules.dropout._DropoutNd,), "pointwise"),
+    ((DropoutNd,), "pointwise"),
 )
 
 # Autograd nodes in profiler traces are CamelCase with a version suffix: ``NativeLayerNormBackward0``.

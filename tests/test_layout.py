@@ -294,3 +294,72 @@ def test_no_module_of_the_package_imports_itself_through_others():
     graph = _import_graph()
     assert "lightning_opkit.nan.report" in graph["lightning_opkit.nan.actions"]  # and the graph is the code's
     assert _circles(graph) == []
+
+
+#: where other libraries' private names may be read: one adapter per library, each with its test file
+COMPAT = {"core/torch_compat.py", "core/dynamo_compat.py", "core/fsdp.py", "core/torchao_compat.py",
+          "core/lightning_compat.py"}
+#: the libraries opkit builds on, whose private names must stay behind an adapter
+FOREIGN = ("torch", "torchao", "lightning", "torchmetrics", "tensorboard", "numpy", "jsonargparse")
+#: Lightning documents ``Callback._generate_state_key`` as the way a subclass builds its ``state_key``
+DOCUMENTED_PROTECTED = {"_generate_state_key"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names(trees) -> set[str]:
+    """Every name opkit defines itself: functions, classes, variables, arguments, attributes set on self or a class."""
+    own: set[str] = set()
+    for tree in trees:
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.arg):
+                own.add(n.arg)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
+                    isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                own.add(n.attr)
+            elif isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__slots__":
+                own.update(e.value for e in n.value.elts if isinstance(e, ast.Constant))
+    return own
+
+
+def _foreign_privates(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of each private name of another library the module imports, reads or sets."""
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            found += [(n.lineno, a.name) for a in n.names
+                      if a.name.split(".")[0] in FOREIGN and any(map(_private, a.name.split(".")))]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] in FOREIGN:
+            if any(map(_private, n.module.split("."))) or any(_private(a.name) for a in n.names):
+                found.append((n.lineno, n.module))
+        elif isinstance(n, ast.Attribute) and _private(n.attr) and n.attr not in own | DOCUMENTED_PROTECTED:
+            found.append((n.lineno, n.attr))
+        elif isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("getattr", "hasattr", "setattr") and \
+                len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str) and \
+                _private(n.args[1].value) and n.args[1].value not in own:
+            found.append((n.lineno, n.args[1].value))
+    return found
+
+
+def test_other_libraries_private_names_are_read_only_in_their_adapters():
+    """Issue 52: torch's, dynamo's, FSDP2's, torchao's, Lightning's private names, read from the code: each behind
+    the adapter whose test uses it on the running release, so a release that moves one is mended in one place."""
+    modules = {str(path.relative_to(PACKAGE)): tree for path, tree in _modules()}
+    own = _own_names(modules.values())
+    leaks = {rel: _foreign_privates(tree, own) for rel, tree in modules.items() if rel not in COMPAT}
+    assert {rel: found for rel, found in leaks.items() if found} == {}
+    for rel in COMPAT:  # each adapter has its test file, and is one
+        assert _foreign_privates(modules[rel], own), rel
+        assert (pathlib.Path(__file__).parent / "core" / f"test_{pathlib.Path(rel).stem}.py").exists(), rel
+    # the check sees what it is for: a private module, a private attribute, a private name read by string
+    planted = ast.parse("import torch._dynamo\nfrom torch.utils._pytree import tree_map\n"
+                        "x = torch.autograd.profiler._is_profiler_enabled\ny = getattr(opt, '_step_supports_amp')\n"
+                        "z = self._mine\n")
+    assert [name for _, name in _foreign_privates(planted, {"_mine"})] == [
+        "torch._dynamo", "torch.utils._pytree", "_is_profiler_enabled", "_step_supports_amp"]

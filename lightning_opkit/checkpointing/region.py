@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.suspend import SUSPENDED
+from lightning_opkit.core.torch_compat import TorchDispatchMode, function_mode_stack
 from lightning_opkit.opclass import classify_name
 
 __all__ = ["CheckpointedForward", "save_policy"]
@@ -124,7 +123,7 @@ def _restore_autocast(state: tuple[int, bool, list[tuple[bool, torch.dtype]]]) -
         torch.set_autocast_dtype(device, dtype)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def _outside_the_graph(region: CheckpointedForward, args: tuple, kwargs: dict) -> Any:
     """The checkpointed forward run eagerly in a compiled model: dynamo breaks the graph around this call."""
     return region(*args, **kwargs)
@@ -176,7 +175,7 @@ class CheckpointedForward:
         self._context_fn = context_fn
 
     def _contexts(self) -> tuple[Any, Any]:
-        modes = list(_get_current_function_mode_stack())
+        modes = function_mode_stack()
         if self.policy is not None:
             forward, recompute = create_selective_checkpoint_contexts(self.policy)
             if self.note_kept is not None:

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from lightning_opkit.compile.regions import Region, recompile_limit
+from lightning_opkit.compile.regions import Region
 from lightning_opkit.compile.watch import DynamoWatch, expected_recompile
-from lightning_opkit.core.dynamo_compat import COMPILE_FAILURES, cache_entries, stance
+from lightning_opkit.core.dynamo_compat import COMPILE_FAILURES, cache_entries, recompile_limit, stance
 from lightning_opkit.core.facts import FASTER
 from lightning_opkit.core.recompute import RECOMPUTING
+from lightning_opkit.core.torch_compat import profiler_enabled
 from lightning_opkit.core.trial import Trial
 
 __all__ = ["CompiledForward", "RegionHooks", "limit_message", "shared_trials", "speed_trial"]
@@ -225,7 +226,7 @@ class CompiledForward:
 
     def _span(self) -> Any:
         # While a profiler window records, the region's time is a span named after it.
-        if not torch.autograd.profiler._is_profiler_enabled:
+        if not profiler_enabled():
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"opkit region {self.region.name or '<LightningModule>'}")
 

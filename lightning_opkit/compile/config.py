@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch._dynamo
 
 from lightning_opkit.core.checks import check_bools, check_choice, check_globs
 from lightning_opkit.core.dynamo_compat import backend_callable, inductor_defaults, inductor_modes
@@ -19,7 +18,7 @@ ON_RECOMPILE_LIMIT = ("warn", "eager", "raise")
 
 def backends() -> list[str]:
     """The ``torch.compile`` backends this torch knows, by name."""
-    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"})
+    return sorted(set(torch.compiler.list_backends(exclude_tags=())) | {"inductor", "eager", "aot_eager"})
 
 
 def check_compile_args(modules: Any, backend: Any, mode: Any, options: Any, dynamic: Any, on_recompile_limit: Any,

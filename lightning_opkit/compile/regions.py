@@ -9,9 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-__all__ = ["REGION_HEADERS", "Region", "compiled_code", "recompile_limit"]
+__all__ = ["REGION_HEADERS", "Region"]
 
 
 @dataclass
@@ -53,15 +51,3 @@ class Region:
 
 REGION_HEADERS = ["region", "calls", "compiles", "compile s", "graphs", "graph breaks", "recompiles",
                   "of them expected", "speedup (eager/compiled)", "runs"]
-
-
-def compiled_code(compiled: Any) -> Any:
-    """The code object dynamo caches a ``torch.compile``d callable on."""
-    fn = getattr(compiled, "_torchdynamo_orig_callable", None)
-    return getattr(getattr(fn, "__func__", fn), "__code__", None)
-
-
-def recompile_limit() -> int:
-    """Dynamo's per-code-object limit of cache entries (``recompile_limit``, formerly ``cache_size_limit``)."""
-    config = torch._dynamo.config
-    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))

@@ -16,8 +16,6 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch._dynamo
-import torch._inductor.config
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -29,12 +27,17 @@ from lightning_opkit.compile.compiled_forward import (
     shared_trials,
 )
 from lightning_opkit.compile.config import check_compile_args, make_backend
-from lightning_opkit.compile.regions import REGION_HEADERS, Region, compiled_code
+from lightning_opkit.compile.regions import REGION_HEADERS, Region
 from lightning_opkit.compile.state_keys import loading_old_checkpoints
 from lightning_opkit.compile.watch import DynamoWatch, recompile_table
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.deprecations import renamed
-from lightning_opkit.core.dynamo_compat import backward_outside_autocast
+from lightning_opkit.core.dynamo_compat import (
+    backward_outside_autocast,
+    compiled_code,
+    guard_on_hooks,
+    inductor_kernel_names,
+)
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import RunsModulesInDtype, offering
 from lightning_opkit.core.select import find_blocks, outermost, resolve_modules
@@ -200,13 +203,8 @@ class TorchCompile(OpkitCallback):
         self.compiled = [name for name, _ in targets]
         self._batches, self._checked_frames, self.error = 0, False, None
         self._configs = [
-            # Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the
-            # class) was compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
-            torch._dynamo.config.patch(skip_nnmodule_hook_guards=False),
-            # Inductor's CPU kernels then show in profiler windows under their own names (cpp_fused_add_gelu_3),
-            # which the taxonomy classifies by the ops they fuse; otherwise their time hides in the graph-call span.
-            # The marker in each kernel costs a flag check while no profiler runs.
-            torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
+            guard_on_hooks(),  # opkit's and the user's hooks count: compiled code is not reused past a hook change
+            inductor_kernel_names(),  # Inductor's CPU kernels by name in profiler windows, classified by their ops
             # A region's backward in the dtypes its forward saved, as eager's: not under the forward's autocast
             backward_outside_autocast(),
         ]

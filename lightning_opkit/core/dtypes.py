@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.suspend import SUSPENDED
+from lightning_opkit.core.torch_compat import tree_map
 from lightning_opkit.opclass import NEVER_CAST, function_info
 
 __all__ = ["BY_NAME", "PROFILER_DTYPES", "autocast_off", "cast", "full_name", "has_low_weights", "hold_fp32", "in_fp32",

@@ -18,7 +18,8 @@ import torch
 import torch._dynamo
 
 __all__ = ["COMPILE_FAILURES", "RECOMPILES_LOGGER", "backend_callable", "backward_outside_autocast", "cache_entries",
-           "counters", "inductor_defaults", "inductor_modes", "recompiles_artifact", "skip_code", "stance",
+           "compiled_code", "counters", "guard_on_hooks", "inductor_defaults", "inductor_kernel_names",
+           "inductor_modes", "keep_boxed_call", "recompile_limit", "recompiles_artifact", "skip_code", "stance",
            "watch_compiles"]
 
 # What counts as "compilation failed" for TorchCompile's `fallback`: the backend, dynamo itself, or (with fullgraph) a
@@ -136,3 +137,45 @@ def backward_outside_autocast() -> Any:
     if not hasattr(functorch_config, "backward_pass_autocast"):
         return contextlib.nullcontext()
     return functorch_config.patch(backward_pass_autocast="off")
+
+
+def compiled_code(compiled: Any) -> Any:
+    """The code object dynamo caches a ``torch.compile``d callable on."""
+    fn = getattr(compiled, "_torchdynamo_orig_callable", None)
+    return getattr(getattr(fn, "__func__", fn), "__code__", None)
+
+
+def recompile_limit() -> int:
+    """Dynamo's per-code-object limit of cache entries (``recompile_limit``, formerly ``cache_size_limit``)."""
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
+def guard_on_hooks() -> Any:
+    """A config patch under which dynamo guards on a module's hooks (compiled code is not reused past a hook change).
+
+    Dynamo's default reuses compiled code when hooks were added or removed since (any instance of the class) was
+    compiled, silently skipping them; guarding on hooks makes opkit's and the user's hooks count.
+    """
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
+def inductor_kernel_names() -> Any:
+    """A config patch under which Inductor's CPU kernels show in profiler windows under their own names.
+
+    (``cpp_fused_add_gelu_3``), which the taxonomy classifies by the ops they fuse; otherwise their time hides in the
+    graph-call span. The marker in each kernel costs a flag check while no profiler runs.
+    """
+    import torch._inductor.config
+
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
+
+def keep_boxed_call(compiled: Any, wrapper: Any) -> None:
+    """Mark ``wrapper`` (around a backend's compiled callable) as taking its arguments boxed where ``compiled`` does.
+
+    AOTAutograd hands a boxed callable one list, which it may clear to free the inputs early; a wrapper that does not
+    say so is called unboxed.
+    """
+    if getattr(compiled, "_boxed_call", False):
+        wrapper._boxed_call = True

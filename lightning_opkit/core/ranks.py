@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
+from lightning_opkit.core.torch_compat import tree_leaves
 from lightning_opkit.core.torchao_compat import wrapped_in
 
 __all__ = ["Ranks", "local", "local_floats"]

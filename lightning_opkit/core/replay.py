@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_opkit.core.fsdp import fully_sharded, reshard
+from lightning_opkit.core.lightning_compat import attached_trainer, metric_state_names, wrapped_optimizers
 from lightning_opkit.core.patch import Nesting, Patches
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_update_called")
@@ -57,7 +58,7 @@ def set_rng_state(state: tuple[Tensor, Any]) -> None:
 
 def _metric_state(metric: Metric) -> dict[str, Any]:
     """What a torchmetrics ``update`` changes: states (copied: updates are in place) and bookkeeping."""
-    state = {k: copy.deepcopy(vars(metric)[k]) for k in metric._defaults if k in vars(metric)}
+    state = {k: copy.deepcopy(vars(metric)[k]) for k in metric_state_names(metric) if k in vars(metric)}
     state.update({k: vars(metric)[k] for k in _METRIC_BOOKKEEPING if k in vars(metric)})
     return state
 
@@ -226,12 +227,12 @@ def held_training(pl_module: nn.Module) -> Iterator[list[Tensor]]:
     patches = Patches()
     patches.set(pl_module, "manual_backward", lambda loss, *args, **kwargs: losses.append(loss))
     patches.set(pl_module, "clip_gradients", _nothing)
-    trainer = getattr(pl_module, "_trainer", None)
+    trainer = attached_trainer(pl_module)
     if trainer is not None:
         # The wrappers ``self.optimizers()`` returns count ``global_step`` in their own ``step``; the raw optimizers
         # (``use_pl_optimizer=False``) are held too. ``zero_grad`` would erase the gradients of the step being
         # checked. A held step still runs a closure passed to it: that is where such a step computes its loss.
-        for optimizer in [*trainer.strategy._lightning_optimizers, *trainer.optimizers]:
+        for optimizer in [*wrapped_optimizers(trainer), *trainer.optimizers]:
             patches.set(optimizer, "step", _held_step)
             patches.set(optimizer, "zero_grad", _nothing)
         for config in trainer.lr_scheduler_configs:

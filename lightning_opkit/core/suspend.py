@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from lightning_opkit.core.dynamo_compat import keep_boxed_call
 from lightning_opkit.core.patch import Nesting
 
 __all__ = ["SUSPENDED", "suspending_backend"]
@@ -43,8 +44,7 @@ def suspending_backend(backend: Callable[..., Any]) -> Callable[..., Any]:
             with SUSPENDED.scope():
                 return compiled(*args)
 
-        if getattr(compiled, "_boxed_call", False):
-            run._boxed_call = True  # type: ignore[attr-defined]
+        keep_boxed_call(compiled, run)
         return run
 
     # What dynamo and torch read off a backend (its name in logs, Inductor's config, the reset of its caches).

@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import PinsModules, offering
 from lightning_opkit.core.patch import Patches
+from lightning_opkit.core.torch_compat import foreach_copy_, mark_scheduler_wrapped, scaler_tensors
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.nan.repair import Repairs
 from lightning_opkit.nan.report import NaNReport, NonFiniteError, amended, format_report, write_report
@@ -196,7 +197,7 @@ def with_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor, step: An
     """Run ``step(**kwargs)`` with ``found_inf`` handed to the optimizer, as a GradScaler hands it, and take it back.
 
     Args:
-        optimizer: a fused optimizer (:func:`~lightning_opkit.nan.device.takes_found_inf`).
+        optimizer: a fused optimizer (:func:`~lightning_opkit.core.torch_compat.takes_found_inf`).
         found_inf: a 0-d float32 tensor on the parameters' device: 1 leaves the update out, 0 applies it.
         step: the optimizer's own ``step``.
         kwargs: passed on to ``step``.
@@ -298,13 +299,13 @@ class StepSkipper:
         if checking and self._schedulers:
             self._save_schedules()
         if checking and self._scaler is not None:
-            self._scaler_state = [t.clone() for t in self._scaler_tensors()]
+            self._scaler_state = [t.clone() for t in scaler_tensors(self._scaler)]
         if checking and save_buffers and self._buffers:
             # One multi-tensor copy into storage allocated once, no host sync: BatchNorm statistics are written in
             # the forward, before any check can run.
             if len(self._saved) != len(self._buffers):
                 self._saved = [torch.empty_like(b) for b in self._buffers]
-            torch._foreach_copy_(self._saved, self._buffers)
+            foreach_copy_(self._saved, self._buffers)
 
     def end_batch(self) -> None:
         """At a batch's end: under manual optimization, a left-out step's LR schedules put back."""
@@ -313,7 +314,7 @@ class StepSkipper:
             self._restore_schedules()
         if self._scaler_state and skipped:
             # the GradScaler saw the bad gradients too and lowered its scale: not for an overflow, so put it back
-            torch._foreach_copy_(self._scaler_tensors(), self._scaler_state)
+            foreach_copy_(scaler_tensors(self._scaler), self._scaler_state)
         self._schedules, self._scaler_state = [], []
 
     def watch_buffers(self, buffers: list[Tensor]) -> None:
@@ -325,7 +326,7 @@ class StepSkipper:
         """Put back the buffers saved at the start of this optimizer step."""
         if self._saved:
             with torch.no_grad():
-                torch._foreach_copy_(self._buffers, self._saved)
+                foreach_copy_(self._buffers, self._saved)
 
     def restore_buffers_where(self, bad: Tensor) -> None:
         """Put back the saved buffers where ``bad`` (a 0-d tensor) is set, on the device: no host sync."""
@@ -358,11 +359,6 @@ class StepSkipper:
             scaler: the precision plugin's ``torch.amp.GradScaler``.
         """
         self._scaler, self._scaler_state = scaler, []
-
-    def _scaler_tensors(self) -> list[Tensor]:
-        # torch.amp.GradScaler's own state, made at its first scale(); the rest is rebuilt at every update()
-        tensors = (getattr(self._scaler, "_scale", None), getattr(self._scaler, "_growth_tracker", None))
-        return [t for t in tensors if isinstance(t, Tensor)]
 
     def watch_schedulers(self, schedulers: list[tuple[Any, torch.optim.Optimizer]]) -> None:
         """Under manual optimization, where ``training_step`` steps the LR schedulers: a left-out batch's are put back.
@@ -414,9 +410,7 @@ class StepSkipper:
 
             return step_now(closure=closure_once_more, **kwargs)
 
-        if hasattr(step, "_wrapped_by_lr_sched"):
-            # torch's LR schedulers warn that optimizer.step was overridden unless the step they wrapped is marked.
-            skippable_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        mark_scheduler_wrapped(step, skippable_step)
         self._patches.set(optimizer, "step", skippable_step)
 
     def _take_pending(self) -> bool:

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.ranks import local
+from lightning_opkit.core.torch_compat import foreach_norm
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_module
 
@@ -30,7 +31,7 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     # example) than concatenating the gradients first. A NaN or Inf anywhere makes its norm non-finite; the norms are
     # taken in fp32, since in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow. Even fp32
     # overflows for a finite gradient past ~1e19 per element: :func:`check` confirms a failed check exactly.
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    norms = foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.stack(norms).isfinite().all()
 
 
@@ -166,7 +167,7 @@ def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         loss = torch.cat([x.reshape(-1) for x in losses]).mean() if losses else torch.zeros((), device=device)
     # One fused multi-tensor kernel on CUDA. The norms are taken in fp32: in a 16-bit gradient's own dtype a finite
     # norm past 65504 (fp16) would overflow.
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
+    norms = torch.stack(foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
     grad_norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
     own = torch.stack([loss, grad_norm])
     found = own.nan_to_num(nan=math.inf, posinf=math.inf, neginf=math.inf)  # a copy: ``own`` stays this rank's

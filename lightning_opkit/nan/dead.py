@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.ranks import local
+from lightning_opkit.core.torch_compat import ConvNd
 from lightning_opkit.core.warn import warn_once
 from lightning_opkit.opclass import classify_module
 
@@ -67,7 +68,7 @@ COLUMNS = ["parameter", "module", "module type", "op class", "expert", "what", "
 
 
 def _experts(name: str, param: Tensor, owner: nn.Module | None) -> bool:
-    return param.dim() == 3 and not isinstance(owner, nn.modules.conv._ConvNd)
+    return param.dim() == 3 and not isinstance(owner, ConvNd)
 
 
 class DeadWatch:

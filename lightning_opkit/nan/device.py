@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_opkit.core.torch_compat import takes_found_inf
 from lightning_opkit.nan.check import read
 
 if TYPE_CHECKING:
@@ -36,18 +37,7 @@ if TYPE_CHECKING:
     from lightning_opkit.nan.actions import Actions, StepSkipper
     from lightning_opkit.nan.replays import MicroBatch, Replays
 
-__all__ = ["DeviceDecision", "HostCopy", "Read", "as_of_step", "check_device_decision", "takes_found_inf"]
-
-
-def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` leaves its update out on the device when given ``found_inf`` (fused optimizers).
-
-    Example:
-        >>> params = [torch.nn.Parameter(torch.ones(2))]
-        >>> takes_found_inf(torch.optim.AdamW(params, fused=True)), takes_found_inf(torch.optim.AdamW(params))
-        (True, False)
-    """
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+__all__ = ["DeviceDecision", "HostCopy", "Read", "as_of_step", "check_device_decision"]
 
 
 @contextlib.contextmanager

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit.core.logging import markdown_table
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import sync
+from lightning_opkit.core.torch_compat import tree_leaves, tree_map
 from lightning_opkit.opclass import GEMM_CLASSES, OP_CLASSES
 from lightning_opkit.precision.decide import TIE
 from lightning_opkit.precision.dtypes import DTYPES

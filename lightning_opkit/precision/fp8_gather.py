@@ -31,6 +31,7 @@ from lightning_opkit.core.dtypes import autocast_off
 from lightning_opkit.core.fsdp import gathers_extensions, local_shard, swap_local_shard, weight_records
 from lightning_opkit.core.suspend import SUSPENDED
 from lightning_opkit.core.text import named_reasons
+from lightning_opkit.core.torch_compat import foreach_norm
 from lightning_opkit.core.torchao_compat import float8_dtype, set_scale, wrapped_in
 
 __all__ = ["Float8AllGather", "float8_weight", "gather_lines", "high_precision"]
@@ -199,7 +200,7 @@ class Float8AllGather:
         wrapped: list[Any] = [held.fsdp_param.sharded_param for held in self._held.values()]
         with torch.no_grad(), SUSPENDED.scope(), autocast_off():
             # the inf-norm of each DTensor is a partial max: the clamp on their stack reduces them all at once
-            amax: Any = torch.clamp(torch.stack(torch._foreach_norm(wrapped, ord=math.inf)), EPS).to(torch.float64)
+            amax: Any = torch.clamp(torch.stack(foreach_norm(wrapped, math.inf)), EPS).to(torch.float64)
             dtype = float8_dtype(local_shard(next(iter(self._held.values())).fsdp_param))  # the recipe's one dtype
             scales = (torch.finfo(dtype).max / amax).to_local().to(torch.float32)
         for held, scale in zip(self._held.values(), scales):

@@ -17,6 +17,7 @@ from lightning_opkit.core.patch import Patches
 from lightning_opkit.core.recompute import RECOMPUTING
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.suspend import SUSPENDED
+from lightning_opkit.core.torch_compat import HigherOrderOperator
 from lightning_opkit.opclass import function_info
 from lightning_opkit.precision.census import UPDATED_ARGS, Census, fp32_reference
 from lightning_opkit.precision.dtypes import NEVER_CAST, cast, mode_dtype
@@ -69,7 +70,7 @@ def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
         pass
     except TypeError:
         return function_info(func)
-    if isinstance(func, torch._ops.HigherOrderOperator) or func in _BACKWARDS:
+    if isinstance(func, HigherOrderOperator) or func in _BACKWARDS:
         _INFO[func] = (_BACKWARD if func in _BACKWARDS else _BODY, False)
         return _INFO[func]
     cls, inplace = function_info(func)
@@ -78,7 +79,7 @@ def policy_info(func: Callable[..., Any]) -> tuple[str, bool]:
     return info
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _traced_function_info(func: Callable[..., Any]) -> tuple[str, bool]:
     # Eagerly a plain cached lookup. Dynamo can neither trace str methods on a function's name nor guard on a
     # cache that grows (it would recompile each time), so it runs this once at trace time and keeps the result.

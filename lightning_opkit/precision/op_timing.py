@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit.core.dtypes import autocast_off
 from lightning_opkit.core.facts import CLEARLY_SLOWER
 from lightning_opkit.core.text import describe_error
 from lightning_opkit.core.timing import at_shapes
+from lightning_opkit.core.torch_compat import tree_leaves, tree_map
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.dtypes import DTYPES
 from lightning_opkit.precision.oplog import OpLog, Stat

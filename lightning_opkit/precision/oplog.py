@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_opkit.core.ranks import local
+from lightning_opkit.core.torch_compat import tree_leaves, tree_map
 from lightning_opkit.opclass import OP_CLASSES
 from lightning_opkit.precision.census import UPDATED_ARGS
 from lightning_opkit.precision.dtypes import NEVER_CAST

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from lightning_opkit.core.torch_compat import dump_memory_snapshot, record_memory_history
+
 __all__ = ["Snapshot", "out_of_memory"]
 
 #: allocation events kept in the history (torch's own default is unbounded; this bounds the host memory it takes)
@@ -46,7 +48,7 @@ class Snapshot:
         """Record allocations on ``device`` from now on; ``False`` where that is not CUDA (nothing recorded)."""
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():
             return False
-        torch.cuda.memory._record_memory_history(max_entries=_EVENTS)
+        record_memory_history(_EVENTS)
         self.recording = True
         return True
 
@@ -55,11 +57,11 @@ class Snapshot:
         if not self.recording:
             return None
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        torch.cuda.memory._dump_snapshot(path)
+        dump_memory_snapshot(path)
         return path
 
     def stop(self) -> None:
         """Stop recording (the history's memory is freed)."""
         if self.recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_memory_history(None)
             self.recording = False

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.autograd import DeviceType
-from torch.autograd.profiler_util import EventList
 
-from lightning_opkit.core.torch_compat import cpu_memory_events, events_with_dtypes
+from lightning_opkit.core.torch_compat import cpu_memory_events, event_list, events_with_dtypes
 from lightning_opkit.opclass import NO_ARITHMETIC, OP_CLASSES, classify_profiler_event, is_framework_event
 from lightning_opkit.profiler.session import SETTLE
 
@@ -70,11 +69,7 @@ def window_events(prof: Any) -> Any:
                    and not _COMPILING.match(e.name) and not _compiling(e, seen)]
     if len(kept_events) == len(events):
         return events
-    kept = EventList(kept_events, use_device=getattr(events, "_use_device", None),
-                     profile_memory=getattr(events, "_profile_memory", False),
-                     with_flops=getattr(events, "_with_flops", False))
-    kept._tree_built = True  # its events keep the parents and children torch linked in the whole list
-    return kept
+    return event_list(events, kept_events)
 
 
 @dataclass

@@ -9,9 +9,9 @@ import torch._dynamo
 from torch import nn
 
 from lightning_opkit.compile.compiled_forward import CompiledForward, RegionHooks, speed_trial
-from lightning_opkit.compile.regions import Region, compiled_code
+from lightning_opkit.compile.regions import Region
 from lightning_opkit.compile.watch import DynamoWatch
-from lightning_opkit.core.dynamo_compat import cache_entries
+from lightning_opkit.core.dynamo_compat import cache_entries, compiled_code
 
 
 def _region(backend, **hooks):

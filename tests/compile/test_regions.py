@@ -1,20 +1,8 @@
-"""Compiled regions (compile/regions.py), Trainer-free: the recompile limit as dynamo's config says, a region's row
-(the cache entries each region's code holds: tests/core/test_dynamo_compat.py)."""
-
-import torch
-import torch._dynamo
-
-from lightning_opkit.compile.regions import REGION_HEADERS, Region, recompile_limit
+"""Compiled regions (compile/regions.py), Trainer-free: a region's row (the recompile limit and the cache entries
+each region's code holds: tests/core/test_dynamo_compat.py)."""
 
 
-def test_the_recompile_limit_is_dynamo_s():
-    assert recompile_limit() == torch._dynamo.config.recompile_limit
-    before = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 3
-    try:
-        assert recompile_limit() == 3
-    finally:
-        torch._dynamo.config.recompile_limit = before
+from lightning_opkit.compile.regions import REGION_HEADERS, Region
 
 
 def test_a_region_s_row_says_how_it_runs_now():

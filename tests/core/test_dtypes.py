@@ -13,6 +13,7 @@ from lightning_opkit.core.dtypes import (
     in_fp32,
     short_name,
 )
+from lightning_opkit.core.torch_compat import events_with_dtypes
 
 
 def test_short_names_round_trip_and_every_float8_is_fp8():
@@ -28,7 +29,8 @@ def test_the_profiler_s_names_are_the_ones_a_real_profile_records():
     with torch.profiler.profile(record_shapes=True) as prof:
         torch.mm(x, x)
         torch.mm(x.float(), x.float())
-    recorded = {d for e in prof.events() if e.name == "aten::mm" for d in e.input_dtypes if d}
+    # through the compat module: before torch 2.13 the dtypes are on the kineto events only
+    recorded = {d for e in events_with_dtypes(prof) if e.name == "aten::mm" for d in e.input_dtypes if d}
     assert recorded <= set(PROFILER_DTYPES)
     assert {PROFILER_DTYPES[d] for d in recorded} == {"bf16", "fp32"}
 

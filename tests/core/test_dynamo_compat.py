@@ -6,15 +6,16 @@ import logging
 import torch
 import torch._dynamo
 
-from lightning_opkit.compile.regions import compiled_code
 from lightning_opkit.core.dynamo_compat import (
     COMPILE_FAILURES,
     RECOMPILES_LOGGER,
     backend_callable,
     cache_entries,
+    compiled_code,
     counters,
     inductor_defaults,
     inductor_modes,
+    recompile_limit,
     recompiles_artifact,
     skip_code,
     stance,
@@ -118,3 +119,13 @@ def test_backward_outside_autocast_is_functorch_s_own_setting_patched_for_a_whil
     with backward_outside_autocast():
         assert functorch_config.backward_pass_autocast == "off"
     assert functorch_config.backward_pass_autocast == before
+
+
+def test_the_recompile_limit_is_dynamo_s():
+    assert recompile_limit() == torch._dynamo.config.recompile_limit
+    before = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 3
+    try:
+        assert recompile_limit() == 3
+    finally:
+        torch._dynamo.config.recompile_limit = before

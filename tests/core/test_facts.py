@@ -12,7 +12,7 @@ from precision.test_auto import Injected, _row
 
 from examples.vit import DigitsDataModule, ViTClassifier
 from lightning_opkit import PrecisionPolicy, ProfilerWindows
-from lightning_opkit.core.facts import facts_of
+from lightning_opkit.core.facts import Fp8Fact, RunFacts, SpeedFact, facts_of, new_facts
 
 SUGGESTION = "PrecisionPolicy(rules={'matmul': 'bf16'})"
 
@@ -62,3 +62,39 @@ def test_as_measured_here_no_lever_contradicts_the_policy(tmp_path):
     # says "keep": autocast decides, and lowers GEMMs)
     assert facts.dtypes["matmul"] == matmul.dtype.split("+")[0]
     assert policy.table["matmul"] in (facts.dtypes["matmul"], "keep")
+
+
+# Trainer-free: the facts themselves
+
+
+def test_a_class_s_speed_is_its_fastest_16_bit_measurement_and_says_which():
+    facts = RunFacts()
+    assert facts.speed("matmul") is None  # not measured in this run
+    facts.speeds[("matmul", "bf16")] = SpeedFact("matmul", "bf16", 1.4, "3 GEMM shapes", "auto, step 0")
+    facts.speeds[("matmul", "fp16")] = SpeedFact("matmul", "fp16", 0.8, "3 GEMM shapes", "auto, step 0")
+    facts.speeds[("norm", "bf16")] = SpeedFact("norm", "bf16", 0.5, "1 shape", "auto, step 0")
+    fastest = facts.speed("matmul")
+    assert (fastest.dtype, fastest.faster) == ("fp16", True)
+    assert facts.speeds[("matmul", "bf16")].phrase() == \
+        "bf16 measured 1.40x slower than fp32 at 3 GEMM shapes (auto, step 0)"
+
+
+def test_float8_s_fact_says_what_runs_in_float8_or_that_nothing_does():
+    speed = SpeedFact("matmul", "fp8", 0.7, "6 Linears", "auto", baseline="bf16")
+    assert Fp8Fact(speed, (), 6).phrase().endswith(": no float8 lever here")
+    chosen = Fp8Fact(speed, ("a", "b"), 6, SpeedFact("matmul", "fp8", 0.5, "2 Linears", "auto", baseline="bf16"))
+    assert chosen.phrase() == \
+        "float8 runs 2 of 6 timed Linears (fp8 measured 2.00x faster than bf16 at 2 Linears (auto))"
+
+
+def test_each_trainer_has_its_own_facts_and_a_new_fit_starts_them_afresh():
+    one, two = object.__new__(_Key), object.__new__(_Key)
+    facts_of(one).repairs["head"] = "fp32"
+    assert facts_of(one).repairs == {"head": "fp32"}
+    assert facts_of(two).repairs == {}
+    assert new_facts(one).repairs == {}
+    assert facts_of(one).repairs == {}
+
+
+class _Key:
+    """Anything a weak reference can point at stands for a Trainer here."""

@@ -99,3 +99,28 @@ def test_the_layout_holds_every_callback_s_charts_each_tag_once(tmp_path):
     for category, charts in own.items():
         assert layout[category] == charts
     assert merged_layout(trainer(tmp_path, [compiler], max_steps=1)) == compiler.layout()
+
+
+# Without a fit: the summary from a Trainer and writers as they stand
+
+
+def test_the_summary_names_where_the_logs_are_or_that_there_are_none(tmp_path, capsys):
+    import lightning.pytorch as pl
+
+    from lightning_opkit.core.logging import LogWriter
+    from lightning_opkit.core.summary import report
+
+    for log_dir in (None, str(tmp_path)):
+        detector = NaNDetector(log_dir=log_dir)
+        bare = pl.Trainer(logger=False, callbacks=[detector], enable_progress_bar=False, enable_model_summary=False)
+        assert report(bare, detector, None) is None  # never set up for a fit: no summary
+        assert report(bare, ProfilerWindows(), LogWriter(bare)) is None  # not the Trainer's first opkit callback
+        writer = detector._open_writer(bare, "fit")  # what its setup opens
+        text = report(bare, detector, writer, exception=RuntimeError("boom") if log_dir else None)
+        assert text in capsys.readouterr().out
+        if log_dir is None:  # logger=False and no log_dir: nothing written
+            assert "logs: none (the Trainer has no logger" in text
+            assert not list(tmp_path.iterdir())
+    assert text.startswith("opkit run summary (ended by RuntimeError: boom, global step 0)")
+    assert f"tensorboard --logdir {tmp_path}" in text
+    assert "logs: none" not in text

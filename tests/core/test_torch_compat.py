@@ -4,21 +4,36 @@ in pyproject.toml are the oldest releases the suite was run on: torch 2.9 (docs/
 Lightning 2.6; CI runs what constraints.txt pins."""
 
 import importlib
+import math
 import re
 
 import pytest
 import tomllib
 import torch
 from packaging.version import Version
+from torch.overrides import TorchFunctionMode
 
 from lightning_opkit import __file__ as package_file
+from lightning_opkit.core.torch_compat import (
+    ConvNd,
+    DropoutNd,
+    Loss,
+    NormBase,
+    event_list,
+    foreach_copy_,
+    foreach_norm,
+    function_mode_stack,
+    mark_scheduler_wrapped,
+    profiler_enabled,
+    scaler_tensors,
+)
 
 NAMES = [
     # dynamo and Inductor: TorchCompile, the policy's mode, the precision auto-measurement
     "torch.compiler.set_stance", "torch.compiler.is_compiling", "torch._dynamo.config.patch",
     "torch._dynamo.callback_handler.register_start_callback", "torch._dynamo.callback_handler.remove_end_callback",
     "torch._dynamo.utils.counters", "torch._dynamo.eval_frame.skip_code", "torch._dynamo.eval_frame._stance",
-    "torch._dynamo.assume_constant_result", "torch._dynamo.lookup_backend", "torch._dynamo.list_backends",
+    "torch.compiler.assume_constant_result", "torch._dynamo.lookup_backend", "torch.compiler.list_backends",
     "torch._C._dynamo.eval_frame._debug_get_cache_entry_list", "torch._logging._internal.log_state",
     "torch._TorchCompileInductorWrapper", "torch._TorchCompileWrapper", "torch._inductor.config.get_config_copy",
     "torch._inductor.list_mode_options", "torch._dynamo.exc.FailOnRecompileLimitHit",
@@ -35,8 +50,12 @@ NAMES = [
     "torch.utils.checkpoint.create_selective_checkpoint_contexts", "torch.autograd.graph.saved_tensors_hooks",
     "torch.channels_last", "torch.channels_last_3d",
     # the compat module, the policy's mode around higher-order operators, checkpoints outside a compiled graph
-    "torch.utils._python_dispatch._disable_current_modes", "torch._ops.HigherOrderOperator", "torch._dynamo.disable",
-    "torch.utils.checkpoint.CheckpointPolicy",
+    "torch.utils._python_dispatch._disable_current_modes", "torch._ops.HigherOrderOperator", "torch.compiler.disable",
+    "torch.utils.checkpoint.CheckpointPolicy", "torch.utils._python_dispatch.TorchDispatchMode",
+    "torch.overrides._get_current_function_mode_stack", "torch.autograd.profiler_util.EventList",
+    # the taxonomy's module base classes
+    "torch.nn.modules.conv._ConvNd", "torch.nn.modules.batchnorm._NormBase", "torch.nn.modules.loss._Loss",
+    "torch.nn.modules.dropout._DropoutNd",
 ]
 
 
@@ -60,8 +79,67 @@ def test_the_names_opkit_calls_exist(name):
 
 def test_foreach_norm_takes_a_result_dtype():
     # the per-step check's norms in fp32, whatever the gradients' dtype
-    (norm,) = torch._foreach_norm([torch.ones(4, dtype=torch.half)], 2, dtype=torch.float32)
+    (norm,) = foreach_norm([torch.ones(4, dtype=torch.half)], 2, dtype=torch.float32)
     assert norm.dtype == torch.float32
+    assert list(foreach_norm([torch.tensor([3.0, -4.0])], math.inf)) == [torch.tensor(4.0)]
+
+
+def test_foreach_copy_writes_in_place():
+    destinations = [torch.zeros(2), torch.zeros(3)]
+    alias = destinations[1]
+    foreach_copy_(destinations, [torch.ones(2), torch.full((3,), 2.0)])
+    assert alias.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_function_mode_stack_and_the_profiler_flag_are_read_as_they_are():
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert function_mode_stack() == []
+    with Mode() as mode:
+        assert function_mode_stack() == [mode]
+    assert not profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert profiler_enabled()
+    assert not profiler_enabled()
+
+
+def test_a_grad_scalers_state_tensors_are_its_scale_and_growth_tracker():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert scaler_tensors(scaler) == []  # made at its first scale
+    scaler.scale(torch.ones(()))
+    scale, tracker = scaler_tensors(scaler)
+    assert scale.item() == scaler.get_scale() == 8.0
+    assert tracker.item() == 0
+
+
+def test_a_wrapped_step_keeps_the_lr_schedulers_mark(recwarn):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    step = opt.step
+    wrapped = lambda *args, **kwargs: step(*args, **kwargs)  # noqa: E731
+    mark_scheduler_wrapped(step, wrapped)
+    opt.step = wrapped
+    opt.step()
+    sched.step()
+    assert not [w for w in recwarn if "optimizer.step()" in str(w.message)]  # torch warns on an unmarked override
+
+
+def test_the_taxonomy_s_module_bases_are_torch_s():
+    assert isinstance(torch.nn.Conv2d(1, 1, 1), ConvNd)
+    assert isinstance(torch.nn.BatchNorm1d(2), NormBase)
+    assert isinstance(torch.nn.MSELoss(), Loss)
+    assert isinstance(torch.nn.Dropout(), DropoutNd)
+
+
+def test_an_event_list_of_some_events_keeps_their_settings():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4).sum()
+    events = prof.events()
+    kept = event_list(events, list(events)[:1])
+    assert len(kept) == 1
+    assert getattr(kept, "_use_device", None) == getattr(events, "_use_device", None)
 
 
 def test_conv_backward_flop_formula_is_reachable_unregistered():
