@@ -122,8 +122,9 @@ def test_a_recompile_inside_the_window_leaves_its_step_time_too():
         return prof, time.perf_counter() - began
 
     (recompiling, wall), (warm, warm_wall) = window(), window()
-    spans = [e for e in recompiling.events() if e.name.startswith("entire_frame_compile")]
-    assert spans  # torch's own span of the recompile
+    # torch's own span of the recompile: entire_frame_compile, or on torch 2.9 _compile.compile_inner
+    spans = [e for e in recompiling.events() if e.name.startswith(("entire_frame_compile", "_compile.compile_inner"))]
+    assert spans
     compiling = compiling_seconds(recompiling)
     assert compiling >= max(e.cpu_time_total for e in spans) / 1e6 > 0  # at least the frame's compile
     assert compiling < wall

@@ -84,12 +84,13 @@ def test_a_gemm_whose_operand_shape_the_trace_lacks_is_time_without_work_not_a_c
 
     from lightning_opkit.profiler.roofline.work import UnrecordedShapes, _op_work
 
-    event = FunctionEvent(0, "aten::addmm", thread=0, start_us=0, end_us=5, input_shapes=[[192], [], [64, 192], [], []],
-                          input_dtypes=["float", "", "float", "Scalar", "Scalar"])
+    # input_dtypes set as events_with_dtypes sets them: FunctionEvent takes them as an argument from torch 2.13 only
+    event = FunctionEvent(0, "aten::addmm", thread=0, start_us=0, end_us=5, input_shapes=[[192], [], [64, 192], [], []])
+    event.input_dtypes = ["float", "", "float", "Scalar", "Scalar"]
     with pytest.raises(UnrecordedShapes):
         _op_work("aten::addmm", "matmul", event)
     whole = FunctionEvent(0, "aten::addmm", thread=0, start_us=0, end_us=5,
-                          input_shapes=[[192], [8, 64], [64, 192], [], []],
-                          input_dtypes=["float", "float", "float", "Scalar", "Scalar"])
+                          input_shapes=[[192], [8, 64], [64, 192], [], []])
+    whole.input_dtypes = ["float", "float", "float", "Scalar", "Scalar"]
     # its bytes: the three operands and the 8 x 192 output, 4 bytes each
     assert _op_work("aten::addmm", "matmul", whole)[1] == 4 * (192 + 8 * 64 + 64 * 192 + 8 * 192)
