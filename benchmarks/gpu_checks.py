@@ -456,7 +456,7 @@ def check_fp8(c: Check, root: str) -> None:
         counter = SyncCount(start=4)
         callbacks: list[pl.Callback] = [counter, TorchCompile(modules=["blocks.*"], measure=False)]
         if name.startswith("fp8"):
-            policies[name] = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+            policies[name] = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
             callbacks.append(policies[name])
         fit(RoutedLM(**shape), callbacks, 14, os.path.join(root, name), precision="bf16-mixed")
         runs[name] = counter

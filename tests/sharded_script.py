@@ -274,7 +274,7 @@ def callbacks_for(name, root):
         made["compile"] = TorchCompile(modules=None if "whole" in name else "auto", backend="eager",
                                        measure="all5" not in name)
     if "all5" in name:
-        made["checkpointing"] = ActivationCheckpointing(measure=True, measure_steps=1)
+        made["checkpointing"] = ActivationCheckpointing(measure=True, trial_steps=1)
     return made
 
 

@@ -16,7 +16,7 @@ CALLBACKS = {
     "ProfilerWindows": (ProfilerWindows, dict(every_n_steps=3, warmup=0, active=2, keep_traces=1, roofline=True)),
     "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], dynamic=False)),
     "ActivationCheckpointing": (ActivationCheckpointing,
-                                dict(modules=["body"], save=["matmul"], measure=True, measure_steps=1)),
+                                dict(modules=["body"], save=["matmul"], measure=True, trial_steps=1)),
 }
 
 
@@ -42,7 +42,7 @@ def test_lightning_cli_class_path_round_trip(name):
 def test_cli_rejects_a_bad_value_naming_it(name, capsys):
     bad = {"PrecisionPolicy": ("default", "half"), "NaNDetector": ("action", "ignore"),
            "ProfilerWindows": ("active", "0"), "TorchCompile": ("backend", "inductr"),
-           "ActivationCheckpointing": ("measure_steps", "0")}[name]
+           "ActivationCheckpointing": ("trial_steps", "0")}[name]
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--callbacks", type=list[Callback])
     with pytest.raises(Exception, match=bad[0]):
@@ -99,9 +99,9 @@ def test_whole_step_arguments_parse_from_the_cli():
     parser = ArgumentParser()
     parser.add_argument("--callbacks", type=list[Callback])
     cfg = parser.parse_args(["--callbacks+=lightning_opkit.PrecisionPolicy", "--callbacks.rules=auto",
-                             "--callbacks.whole_step=false", "--callbacks.trial_rounds=3"])
+                             "--callbacks.whole_step=false", "--callbacks.trial_steps=3"])
     policy = parser.instantiate_classes(cfg).callbacks[0]
-    assert (policy.rules, policy.whole_step, policy.trial_rounds) == ("auto", False, 3)
+    assert (policy.rules, policy.whole_step, policy.trial_steps) == ("auto", False, 3)
 
 
 @pytest.mark.parametrize("cls", [NaNDetector, TorchCompile, ActivationCheckpointing])
@@ -123,7 +123,7 @@ MEASURING = {
                         lambda cb: cb.measurements is not None),
     "TorchCompile": (TorchCompile, dict(backend="eager", modules=["body"], eager_if_slower=False),
                      lambda cb: cb.regions["body"].speedup is not None),
-    "ActivationCheckpointing": (ActivationCheckpointing, dict(modules=["body"], measure_steps=1),
+    "ActivationCheckpointing": (ActivationCheckpointing, dict(modules=["body"], trial_steps=1),
                                 lambda cb: cb.price is not None),
 }
 
@@ -182,11 +182,11 @@ def test_one_timed_trial_at_a_time_the_policys_contenders_then_the_checkpointing
             _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
     alone = Trialled()
     trainer(tmp_path / "alone", [Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0,
-                                        census_every_n_steps=0, trial_rounds=2)], max_steps=12).fit(alone,
+                                        census_every_n_steps=0, trial_steps=2)], max_steps=12).fit(alone,
                                                                                                   make_loader(n=96))
     model = Trialled()
-    policy = Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0, trial_rounds=2)
-    checkpointing = ActivationCheckpointing(modules=["inner"], measure=True, measure_steps=1)
+    policy = Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0, trial_steps=2)
+    checkpointing = ActivationCheckpointing(modules=["inner"], measure=True, trial_steps=1)
     unprotected = _Unprotected("inner.0")
     trainer(tmp_path / "both", [policy, checkpointing, unprotected], max_steps=12).fit(model, make_loader(n=96))
     assert model.per_step[:7] == alone.per_step[:7]  # the contenders' steps, undisturbed
@@ -200,7 +200,7 @@ def test_the_checkpointing_price_waits_for_torch_compiles_eager_against_compiled
     with and without the recompute taking turns beside them would make the compiled calls the checkpointed ones."""
     model = TinyNet()
     compiled = TorchCompile(backend="eager", modules=["body"])
-    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=1)
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, trial_steps=1)
     unprotected = _Unprotected("body.0")
     trainer(tmp_path, [compiled, checkpointing, unprotected], max_steps=14).fit(model, make_loader(n=112))
     assert compiled.regions["body"].speedup is not None
@@ -214,7 +214,7 @@ def test_the_checkpointing_price_takes_no_sample_on_a_census_step(tmp_path):
     checkpointing price now (a census step among the steps without the recompute made them look slower)."""
     model = TinyNet()
     policy = PrecisionPolicy(census_every_n_steps=2, measure=False)
-    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=2)
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, trial_steps=2)
     unprotected = _Unprotected("body.0")
     trainer(tmp_path, [policy, checkpointing, unprotected], max_steps=16).fit(model, make_loader(n=128))
     assert checkpointing.price is not None
@@ -237,7 +237,7 @@ def test_a_compiled_region_called_only_without_grad_holds_no_trial_back(tmp_path
 
     model = FrozenHead()
     compiled = TorchCompile(backend="eager", modules=["frozen"])
-    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=1)
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, trial_steps=1)
     trainer(tmp_path, [compiled, checkpointing], max_steps=8).fit(model, make_loader())
     assert compiled.regions["frozen"].calls >= 8
     assert compiled.regions["frozen"].speedup is None  # never timed

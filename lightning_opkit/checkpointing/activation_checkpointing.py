@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_opkit.checkpointing.region import CheckpointedForward
 from lightning_opkit.core.callback import OpkitCallback
 from lightning_opkit.core.checks import check_bools, check_choices, check_globs, check_int
+from lightning_opkit.core.deprecations import renamed
 from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.kit import CompilesRegions, loaded_besides, measuring_besides, offering
 from lightning_opkit.core.saved import SavedBytes
@@ -87,14 +88,17 @@ class ActivationCheckpointing(OpkitCallback):
             sharing a class); else globs over ``named_modules()`` names (the outermost matches are checkpointed).
         save: operator classes whose outputs are kept (selective checkpointing); ``None``: keep only the blocks'
             inputs.
-        measure: measure the bytes saved and the time it costs, once, on ``measure_steps`` steps *without*
+        measure: measure the bytes saved and the time it costs, once, on ``trial_steps`` steps *without*
             checkpointing beside as many with it (they need the memory it frees: off by default).
-        measure_steps: timed steps with and as many without checkpointing, taking turns, after three warm-up steps
-            (the first steps compile, and measure what other callbacks measure) and the two that count the bytes.
+        trial_steps: timed steps with and as many without checkpointing, taking turns, after three warm-up steps
+            (the first steps compile, and measure what other callbacks measure) and the two that count the bytes;
+            the kit's name for the steps each alternative of a timed trial runs (PrecisionPolicy's too).
         enabled: attach the callback; ``False`` (or its area, ``checkpointing``, in the environment variable
             ``OPKIT_DISABLE``) leaves it attaching nothing, said once at setup.
         log_dir: where to write opkit's TensorBoard files when the Trainer has no TensorBoard logger (by default none
             then: ``logger=False`` writes no file).
+        measure_steps: the old name of ``trial_steps``: it works for this release and warns
+            (:class:`~lightning_opkit.core.deprecations.OpkitDeprecationWarning`).
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[ActivationCheckpointing(save=["matmul", "attention"])], logger=False)
@@ -109,20 +113,22 @@ class ActivationCheckpointing(OpkitCallback):
         modules: Union[list[str], Literal["auto"], None] = None,
         save: Optional[list[str]] = None,
         measure: bool = False,
-        measure_steps: int = 3,
+        trial_steps: int = 3,
         enabled: bool = True,
         log_dir: Optional[str] = None,
+        measure_steps: Optional[int] = None,
     ) -> None:
         super().__init__(enabled, log_dir)
+        trial_steps = renamed(type(self).__name__, "measure_steps", measure_steps, "trial_steps", trial_steps, 3)
         check_globs("modules", modules, ("auto",))
         modules = "auto" if modules is None else modules
         check_choices("save", save, OP_CLASSES)
         check_bools(measure=measure)
-        check_int("measure_steps", measure_steps, 1)
+        check_int("trial_steps", trial_steps, 1)
         self.modules = modules if modules == "auto" else list(modules)
         self.save = list(save) if save is not None else None
         self.measure = measure
-        self.measure_steps = measure_steps
+        self.trial_steps = trial_steps
         #: checkpointed block paths
         self.checkpointed: list[str] = []
         #: the measured price, once measured
@@ -238,7 +244,7 @@ class ActivationCheckpointing(OpkitCallback):
         if not self.measure or self.price is not None:
             return None
         if self._trial is None:
-            self._trial = Trial(["with", "without"], rounds=self.measure_steps, warmup=_WARMUP + len(_COUNTED))
+            self._trial = Trial(["with", "without"], rounds=self.trial_steps, warmup=_WARMUP + len(_COUNTED))
             self._saved_bytes = {}
         if self._trial.calls == _WARMUP and measuring_besides(trainer, self):
             self._waited += 1  # its first arm would time the other's alternatives too: not begun yet

@@ -60,18 +60,18 @@ class AutoPrecision:
     Args:
         tolerance: the largest relative loss change and ``1 - cosine`` of the gradients allowed.
         whole_step: choose among whole-step candidates (else per class, as timed and lowered alone).
-        trial_rounds: steps per contender confirmed on real training steps (0 = none).
+        trial_steps: steps per contender confirmed on real training steps (0 = none).
 
     Example:
-        >>> auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_rounds=2)
+        >>> auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_steps=2)
         >>> auto.measure_seconds, auto.trialing
         (0.0, False)
     """
 
-    def __init__(self, tolerance: float, whole_step: bool, trial_rounds: int) -> None:
+    def __init__(self, tolerance: float, whole_step: bool, trial_steps: int) -> None:
         self.tolerance = tolerance
         self.whole_step = whole_step
-        self.trial_rounds = trial_rounds
+        self.trial_steps = trial_steps
         self.measurements: PrecisionMeasurements | None = None
         self.choice: StepChoice | None = None
         self.per_class: dict[str, Decision] = {}  # rank zero's per-class decisions
@@ -144,12 +144,12 @@ class AutoPrecision:
             self._measure_fp8(model, batch, loss_fn, fp8, plan, agree)
         if choice is None:
             return Plan(chosen, fp8=self.fp8.chosen if self.fp8 is not None else {})
-        if self.trial_rounds and len(choice.contenders()) > 1:
+        if self.trial_steps and len(choice.contenders()) > 1:
             if compiled or accumulating:
                 self.choice = choice.confirmed(choice.chosen, "not run (" + (
                     "TorchCompile attached: each table would recompile" if compiled else "gradient accumulation") + ")")
             else:
-                self._trials = Trial(choice.contenders(), self.trial_rounds)
+                self._trials = Trial(choice.contenders(), self.trial_steps)
         return self.plan_for(choice.chosen)
 
     def _measure(self, model: Any, batch: Any, loss_fn: Callable[..., Tensor],

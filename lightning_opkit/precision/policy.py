@@ -52,11 +52,10 @@ from lightning_opkit.precision.fp8 import (
 from lightning_opkit.precision.fp8_measure import Fp8Ask
 from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
-from lightning_opkit.precision.oplog import OpLog
 from lightning_opkit.precision.plan import Plan, labelled_overrides, pinned_arguments
 from lightning_opkit.precision.results import PrecisionMeasurements
-from lightning_opkit.precision.schedule import MeasureSchedule
-from lightning_opkit.precision.speed_check import check_speed, lowered
+from lightning_opkit.precision.schedule import MeasureSchedule, PolicySteps
+from lightning_opkit.precision.speed_check import lowered
 from lightning_opkit.precision.view import (
     CHARTS,
     policy_markdown,
@@ -111,7 +110,7 @@ class PrecisionPolicy(OpkitCallback):
             GEMMs in 16-bit with the rest ``keep``, the per-class pick, the pick with ``keep``) on the first rows of
             the batch, and train with the fastest within ``tolerance`` as a whole (loss change, gradient cosine);
             ``False``: each class alone, as timed op by op and lowered alone.
-        trial_rounds: with ``whole_step``, confirm the candidates that come close on the measured rows on the next
+        trial_steps: with ``whole_step``, confirm the candidates that come close on the measured rows on the next
             real training steps: each runs this many steps (they train as usual) and the fastest median trains on;
             0 = take the choice on the measured rows. Not under TorchCompile (each table would recompile) nor with
             gradient accumulation; a census step, or a step another callback times its own alternatives on
@@ -132,6 +131,8 @@ class PrecisionPolicy(OpkitCallback):
             (:class:`~lightning_opkit.core.deprecations.OpkitDeprecationWarning`).
         measure_every_n_steps: the old name of ``remeasure_every_n_steps``, likewise.
         check_speed: the old name of ``measure``, likewise.
+        trial_rounds: the old name of ``trial_steps`` (the kit's name for the steps each alternative of a timed
+            trial runs, ActivationCheckpointing's too), likewise.
 
     Example:
         >>> policy = PrecisionPolicy(rules={"activation": "fp32"}, overrides={"head": "fp32"})
@@ -152,7 +153,7 @@ class PrecisionPolicy(OpkitCallback):
         remeasure_every_n_steps: int = 0,
         measure: bool = True,
         whole_step: bool = True,
-        trial_rounds: int = 2,
+        trial_steps: int = 2,
         fp8_recipe: Fp8Recipe = "tensorwise",
         try_fp8: Optional[bool] = None,
         fp8_all_gather: bool = False,
@@ -161,6 +162,7 @@ class PrecisionPolicy(OpkitCallback):
         modules: Optional[dict[str, DtypeName]] = None,
         measure_every_n_steps: Optional[int] = None,
         check_speed: Optional[bool] = None,
+        trial_rounds: Optional[int] = None,
     ) -> None:
         super().__init__(enabled, log_dir)
         name = type(self).__name__
@@ -168,9 +170,10 @@ class PrecisionPolicy(OpkitCallback):
         remeasure_every_n_steps = renamed(name, "measure_every_n_steps", measure_every_n_steps,
                                           "remeasure_every_n_steps", remeasure_every_n_steps, 0)
         measure = renamed(name, "check_speed", check_speed, "measure", measure, True)
+        trial_steps = renamed(name, "trial_rounds", trial_rounds, "trial_steps", trial_steps, 2)
         check_policy_args(rules, default, overrides, tolerance,
                           counts=dict(census_every_n_steps=census_every_n_steps,
-                                      remeasure_every_n_steps=remeasure_every_n_steps, trial_rounds=trial_rounds),
+                                      remeasure_every_n_steps=remeasure_every_n_steps, trial_steps=trial_steps),
                           flags=dict(measure=measure, whole_step=whole_step))
         check_fp8(rules, overrides, fp8_recipe, try_fp8, fp8_all_gather)
         self.rules: str | dict[str, str] | None = "auto" if rules == "auto" else (
@@ -183,14 +186,14 @@ class PrecisionPolicy(OpkitCallback):
         self.remeasure_every_n_steps = remeasure_every_n_steps
         self.measure = measure
         self.whole_step = whole_step
-        self.trial_rounds = trial_rounds
+        self.trial_steps = trial_steps
         self.table: dict[str, str] = initial_table(self.rules, default)
         #: the last census: ``{(class, dtype name): {"calls", "absmax", "rel_error", "underflow_frac",
         #: "headroom_bits", "override"}}``; error and underflow for 16-bit rows, headroom for fp16 rows, else ``None``
         self.census: dict[tuple[str, str], dict[str, Any]] = {}
         #: the speed check's measurements (explicit rules); under ``rules="auto"`` see :attr:`measurements`
         self._speed_measurements: PrecisionMeasurements | None = None
-        self._auto = AutoPrecision(self.tolerance, whole_step, trial_rounds)
+        self._auto = AutoPrecision(self.tolerance, whole_step, trial_steps)
         self.fp8_recipe, self.try_fp8, self.fp8_all_gather = fp8_recipe, try_fp8, fp8_all_gather
         self._governor = StepGovernor(self.table)
         #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
@@ -201,6 +204,7 @@ class PrecisionPolicy(OpkitCallback):
         self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
         self._schedule = MeasureSchedule(self.auto, measure, remeasure_every_n_steps)
+        self._steps = PolicySteps(self._auto, self._schedule, self._governor, census_every_n_steps)
         #: under ``rules="auto"``: the plan in force (checkpointed)
         self._plan: Plan | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -222,7 +226,7 @@ class PrecisionPolicy(OpkitCallback):
 
     def loads_step(self, step: int) -> bool:
         """Whether training step ``step`` is a census step (every op recomputed in fp32: no timed sample there)."""
-        return self.census_every_n_steps > 0 and step % self.census_every_n_steps == 0
+        return self._steps.census_step(step)
 
     @property
     def measuring_steps(self) -> bool:
@@ -403,26 +407,16 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._before_batch(trainer, pl_module, batch, batch_idx)
-        self.fp8.gather.precompute_scales()  # after any measurement or plan: the weights the step gathers
-
-    def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        census_step = self._governor.census_step = self.loads_step(step)
-        if self._auto.trialing and self._schedule.measured_at != step:
-            # not a fair sample on a census step (every op recomputed in fp32) nor while another callback times its
-            # alternatives on the steps (ActivationCheckpointing's steps without the recompute, say)
-            plan = self._auto.begin_trial_step(pl_module.device, census_step or measuring_besides(trainer, self))
+        start = self._steps.start(step, pl_module.device, measuring_besides(trainer, self), lowered(self.table))
+        for plan in (start.trial, start.restore):  # a contender's table; a resumed fit runs its checkpoint's decision
             if plan is not None:
                 self._apply(pl_module, plan)
-        what = self._schedule.at(step)
-        if what == "restore":
-            self._apply(pl_module, self._schedule.take_restored())  # a resumed fit runs the checkpoint's decision
+        if start.restore is not None:
             self._log_table(step)
-        elif what == "measure":
+        if start.measure:
             self._measure_and_decide(trainer, pl_module, batch, batch_idx)
-        elif what == "speed check" and lowered(self.table):
-            self._governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
+        self.fp8.gather.precompute_scales()  # after any measurement or plan: the weights the step gathers
 
     def _measure_and_decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                             batch_idx: int) -> None:
@@ -447,20 +441,18 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        plan = self._auto.end_trial_step(pl_module.device, lambda value: trainer.strategy.broadcast(value, src=0))
-        if plan is not None:
-            self._apply(pl_module, plan)
-            self._log_decision(trainer.global_step)
-        log, self._governor.recorded = self._governor.recorded, None
-        if log is not None:
-            self._speed_measurements = check_speed(log, pl_module.device, self.table)
+        step = trainer.global_step
+        end = self._steps.end(pl_module.device, lambda value: trainer.strategy.broadcast(value, src=0), self.table)
+        if end.plan is not None:
+            self._apply(pl_module, end.plan)
+            self._log_decision(step)
+        if end.speed is not None:
+            self._speed_measurements = end.speed
             self._record_facts()
-            write_speed_check(self._writer, self._speed_measurements, self.table, trainer.global_step)
-        census, self._governor.census_done = self._governor.census_done, None
-        if census is not None:
-            rows = census.rows()
-            self.census = merge_rows(rows, lambda r: (r.op_class, r.dtype))
-            write_census(self._writer, rows, self.table, trainer.global_step)
+            write_speed_check(self._writer, end.speed, self.table, step)
+        if end.census is not None:
+            self.census = merge_rows(end.census, lambda r: (r.op_class, r.dtype))
+            write_census(self._writer, end.census, self.table, step)
 
     # what gets logged where (besides the census)
 

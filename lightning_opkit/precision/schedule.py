@@ -1,10 +1,26 @@
-"""When PrecisionPolicy measures, Trainer-free: at the first batch, again every N steps, once per optimizer step."""
+"""When PrecisionPolicy measures, trials, takes a census or a speed check, Trainer-free.
+
+It measures at the first batch and again every N steps, once per optimizer step (:class:`MeasureSchedule`); around
+each batch :class:`PolicySteps` says what the policy runs and does: a trial's contender, a checkpoint's plan, a
+measurement, a census step, a speed check.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MeasureSchedule"]
+import torch
+
+from lightning_opkit.precision.auto import AutoPrecision
+from lightning_opkit.precision.governor import StepGovernor
+from lightning_opkit.precision.oplog import OpLog
+from lightning_opkit.precision.plan import Plan
+from lightning_opkit.precision.results import PrecisionMeasurements
+from lightning_opkit.precision.speed_check import check_speed
+
+__all__ = ["BatchEnd", "BatchStart", "MeasureSchedule", "PolicySteps"]
 
 
 class MeasureSchedule:
@@ -56,3 +72,102 @@ class MeasureSchedule:
         """The checkpoint's plan, once."""
         plan, self.restored = self.restored, None
         return plan
+
+
+@dataclass
+class BatchStart:
+    """What a batch's start asks of the policy, in this order.
+
+    Args:
+        trial: the contender table this trial step runs (``rules="auto"`` confirming its choice on real steps).
+        restore: the plan a resumed fit's checkpoint brought, run from this batch on.
+        measure: measure and decide on this batch (``rules="auto"``).
+    """
+
+    trial: Plan | None = None
+    restore: Plan | None = None
+    measure: bool = False
+
+
+@dataclass
+class BatchEnd:
+    """What a batch's end hands the policy.
+
+    Args:
+        plan: the trial's winner, when the last contender has had its steps.
+        speed: the speed check of explicit rules, timed on the ops this batch's step ran.
+        census: this batch's census rows, where it was a census step.
+    """
+
+    plan: Plan | None = None
+    speed: PrecisionMeasurements | None = None
+    census: list[Any] | None = None
+
+
+class PolicySteps:
+    """Which training steps the policy measures, trials, takes a census on or speed-checks, Trainer-free.
+
+    The policy asks at each batch's start and end and applies what it is handed: this class decides *when*, the
+    parts it holds decide *how* (:class:`MeasureSchedule` when to measure, :class:`~.auto.AutoPrecision` the trial's
+    contenders and winner, :class:`~.governor.StepGovernor` a census or a recorded step). A census step recomputes every
+    op in fp32, so it is no sample for a trial, nor is a step another callback times its own alternatives on.
+
+    Args:
+        auto: the policy's ``rules="auto"`` part (measurements and trials).
+        schedule: when it measures.
+        governor: how each step runs (it takes the census and records the speed check's step).
+        census_every: ``census_every_n_steps`` (0: no census).
+
+    Example:
+        >>> from lightning_opkit.precision.auto import AutoPrecision
+        >>> from lightning_opkit.precision.governor import StepGovernor
+        >>> steps = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(True, True, 0), StepGovernor({}), 4)
+        >>> [steps.census_step(s) for s in range(5)], steps.start(0, torch.device("cpu"), False, []).measure
+        ([True, False, False, False, True], True)
+    """
+
+    def __init__(self, auto: AutoPrecision, schedule: MeasureSchedule, governor: StepGovernor,
+                 census_every: int) -> None:
+        self.auto, self.schedule, self.governor, self.census_every = auto, schedule, governor, census_every
+
+    def census_step(self, step: int) -> bool:
+        """Whether training step ``step`` takes a census."""
+        return self.census_every > 0 and step % self.census_every == 0
+
+    def start(self, step: int, device: torch.device, others_timing: bool, lowered: list[str]) -> BatchStart:
+        """At the batch of optimizer step ``step``: what the policy runs and does before the step.
+
+        Args:
+            step: the optimizer step the batch belongs to.
+            device: the model's device (a trial times its step on it).
+            others_timing: another callback times its own alternatives on the fit's steps now.
+            lowered: the classes the table runs in 16-bit (explicit rules with none are not speed-checked).
+        """
+        census = self.governor.census_step = self.census_step(step)
+        start = BatchStart()
+        if self.auto.trialing and self.schedule.measured_at != step:
+            start.trial = self.auto.begin_trial_step(device, census or others_timing)
+        what = self.schedule.at(step)
+        if what == "restore":
+            start.restore = self.schedule.take_restored()
+        start.measure = what == "measure"
+        if what == "speed check" and lowered:
+            self.governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
+        return start
+
+    def end(self, device: torch.device, agree: Callable[[Any], Any], table: dict[str, str]) -> BatchEnd:
+        """At the batch's end: a trial's winner, the speed check of the recorded step, the census's rows.
+
+        Args:
+            device: the model's device.
+            agree: rank zero's value on every rank (a trial's winner must be the same everywhere).
+            table: the class table in force (what the speed check times against fp32).
+        """
+        end = BatchEnd(self.auto.end_trial_step(device, agree))
+        log, self.governor.recorded = self.governor.recorded, None
+        if log is not None:
+            end.speed = check_speed(log, device, table)
+        census, self.governor.census_done = self.governor.census_done, None
+        if census is not None:
+            end.census = census.rows()
+        return end

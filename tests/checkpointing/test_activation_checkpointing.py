@@ -35,7 +35,7 @@ def _fit(tmp_path, name, callbacks, steps=10, **trainer_kwargs):
 @pytest.mark.parametrize("name", ["torch_encoder", "hf_gpt2", "hf_llama"])
 def test_full_checkpointing_cuts_saved_bytes_and_keeps_losses_and_weights(tmp_path, name):
     plain, plain_losses = _fit(tmp_path / "plain", name, [])
-    checkpointing = ActivationCheckpointing(measure=True, measure_steps=2)
+    checkpointing = ActivationCheckpointing(measure=True, trial_steps=2)
     model, losses = _fit(tmp_path / "ac", name, [checkpointing])
     assert checkpointing.checkpointed == [p for p in checkpointing.checkpointed if ".layers." in p or ".h." in p]
     assert len(checkpointing.checkpointed) == 2
@@ -105,8 +105,8 @@ class CountOps(TorchDispatchMode):
 
 
 def test_selective_checkpointing_keeps_the_gemms_and_recomputes_less(tmp_path):
-    full, selective = ActivationCheckpointing(measure=True, measure_steps=2), ActivationCheckpointing(
-        save=["matmul", "attention"], measure=True, measure_steps=2)
+    full, selective = ActivationCheckpointing(measure=True, trial_steps=2), ActivationCheckpointing(
+        save=["matmul", "attention"], measure=True, trial_steps=2)
     _, full_losses = _fit(tmp_path / "full", "hf_gpt2", [full])
     _, selective_losses = _fit(tmp_path / "sel", "hf_gpt2", [selective])
     assert full_losses == selective_losses
@@ -151,7 +151,7 @@ def test_composes_with_torch_compile_in_either_order(tmp_path, recwarn, order):
     # 13 steps: the price begins after TorchCompile's eager-against-compiled calls (8), one timed trial at a time
     compiled_losses = _fit(tmp_path / "c", "torch_encoder", [TorchCompile(modules=modules, backend="eager")],
                            steps=13)[1]
-    checkpointing = ActivationCheckpointing(measure=True, measure_steps=1)
+    checkpointing = ActivationCheckpointing(measure=True, trial_steps=1)
     compiler = TorchCompile(modules=modules, backend="eager")
     callbacks = [checkpointing, compiler] if order == "checkpointing first" else [compiler, checkpointing]
     model, losses = _fit(tmp_path / "ca", "torch_encoder", callbacks, steps=13)
@@ -185,7 +185,7 @@ def test_teardown_after_an_exception_leaves_the_model_as_it_was(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(save=["matmull"]), "matmull"), (dict(save="matmul"), "save"),
-                                               (dict(modules="all"), "modules"), (dict(measure_steps=0), "measure")])
+                                               (dict(modules="all"), "modules"), (dict(trial_steps=0), "trial_steps")])
 def test_bad_configuration_is_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ActivationCheckpointing(**kwargs)
@@ -316,7 +316,7 @@ def test_the_price_is_measured_after_three_warm_up_steps_and_on_a_resumed_run(tm
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.seen.append((trainer.global_step, [r.enabled for r in self.callback._regions]))
 
-    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, measure_steps=2)
+    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, trial_steps=2)
     arms = Arms(checkpointing)
     _fit(tmp_path / "first", "hf_gpt2", [checkpointing, arms], steps=10)
     assert checkpointing.price is not None
@@ -329,7 +329,7 @@ def test_the_price_is_measured_after_three_warm_up_steps_and_on_a_resumed_run(tm
                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     first.fit(model, model.loader(n=48))
     first.save_checkpoint(tmp_path / "at10.ckpt")
-    resumed = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, measure_steps=1)
+    resumed = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, trial_steps=1)
     again = pl.Trainer(accelerator="cpu", max_steps=17, logger=False, enable_checkpointing=False, callbacks=[resumed],
                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     again.fit(build("hf_gpt2"), model.loader(n=48), ckpt_path=str(tmp_path / "at10.ckpt"))
@@ -366,7 +366,7 @@ def test_by_default_no_step_runs_without_checkpointing(tmp_path, measure):
     """Pricing runs steps without the protection the user asked for: only with measure=True."""
     blocks = len(build("hf_gpt2").model.transformer.h)
     calls = BlockCalls()
-    checkpointing = ActivationCheckpointing(**({"measure": True, "measure_steps": 2} if measure else {}))
+    checkpointing = ActivationCheckpointing(**({"measure": True, "trial_steps": 2} if measure else {}))
     _fit(tmp_path, "hf_gpt2", [checkpointing, calls], steps=10)
     unprotected = [i for i, n in enumerate(calls.per_step) if n < 2 * blocks]
     assert len(calls.per_step) == 10
@@ -396,7 +396,7 @@ def test_timed_steps_count_nothing_so_the_count_does_not_price_itself(tmp_path):
                 self.steps.append(trainer.global_step)
 
     hooked = Hooked()
-    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, measure_steps=2)
+    checkpointing = ActivationCheckpointing(modules=["model.transformer.h.*"], measure=True, trial_steps=2)
     _fit(tmp_path, "hf_gpt2", [hooked, checkpointing], steps=10)
     assert checkpointing.price is not None
     assert hooked.steps == [3, 4]  # after three warm-up steps, the two counting steps only
@@ -414,7 +414,7 @@ def test_a_timed_step_ends_at_its_batch_end_not_after_the_validation_that_follow
         def validation_step(self, batch, batch_idx):
             time.sleep(1.0)
 
-    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, measure_steps=1)
+    checkpointing = ActivationCheckpointing(modules=["body"], measure=True, trial_steps=1)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=1, logger=False,
                          callbacks=[checkpointing], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))

@@ -512,7 +512,7 @@ def test_measure_off_times_nothing_and_keeps_every_region_compiled(tmp_path):
 def test_recompiles_every_run_has_are_counted_not_warned(tmp_path, recwarn):
     # training and validation flip grad mode; the policy's table changes after it measured: bounded recompiles
     compiler = TorchCompile(modules=["blocks.*"], backend="eager", eager_if_slower=False)
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     run = trainer(tmp_path, [policy, compiler], max_steps=12, limit_val_batches=2, val_check_interval=3)
     run.fit(Blocks(depth=2), make_loader(n=192), make_loader(n=32))
     region = compiler.regions["blocks.0"]

@@ -3,6 +3,7 @@ and the old spellings, which work for one release and warn naming the new one.""
 
 import inspect
 import logging
+import warnings
 
 import pytest
 import torch
@@ -179,3 +180,39 @@ def test_both_spellings_with_the_new_at_its_default_take_the_old_value_with_the_
         assert PrecisionPolicy(check_speed=False, measure=True).measure is False
     with pytest.raises(ValueError, match=r"check_speed=True, measure=False"):
         PrecisionPolicy(check_speed=True, measure=False)
+
+
+def test_trial_steps_is_one_name_on_both_callbacks_and_the_old_names_parse_with_a_warning(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    from examples.vit import DigitsDataModule, ViTClassifier
+
+    def parsed(policy_args: str, checkpointing_args: str):
+        config = tmp_path / "config.yaml"
+        config.write_text(f"""
+trainer:
+  logger: false
+  callbacks:
+    - class_path: lightning_opkit.PrecisionPolicy
+      init_args: {{rules: auto, {policy_args}}}
+    - class_path: lightning_opkit.ActivationCheckpointing
+      init_args: {{measure: true, {checkpointing_args}}}
+""")
+        cli = LightningCLI(ViTClassifier, DigitsDataModule, run=False, save_config_callback=None,
+                           args=["--config", str(config)])
+        return [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_opkit")]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OpkitDeprecationWarning)
+        policy, checkpointing = parsed("trial_steps: 0", "trial_steps: 5")
+    assert (policy.trial_steps, checkpointing.trial_steps) == (0, 5)
+    with pytest.warns(OpkitDeprecationWarning) as caught:
+        policy, checkpointing = parsed("trial_rounds: 4", "measure_steps: 2")
+    assert (policy.trial_steps, checkpointing.trial_steps) == (4, 2)
+    said = " ".join(str(w.message) for w in caught)
+    assert "PrecisionPolicy(trial_rounds=...)" in said
+    assert "ActivationCheckpointing(measure_steps=...)" in said
+    with pytest.raises(ValueError, match=r"measure_steps=2, trial_steps=4"):
+        ActivationCheckpointing(measure_steps=2, trial_steps=4)
+    with pytest.raises(ValueError, match=r"Expected `trial_steps`"):
+        ActivationCheckpointing(trial_steps=0)

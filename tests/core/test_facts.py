@@ -46,7 +46,7 @@ def test_bf16_measured_slower_is_not_advised_back(tmp_path):
 
 @pytest.mark.slow
 def test_as_measured_here_no_lever_contradicts_the_policy(tmp_path):
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     run, windows, table, summary = _fit(tmp_path, policy)
     facts = facts_of(run)
     matmul = windows.last_roofline.rows["matmul"]

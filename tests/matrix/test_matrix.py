@@ -98,7 +98,7 @@ def _auto_fp8_policy(case: Case, **kw) -> PrecisionPolicy:
     A CPU measures float8 many times slower (a reference kernel), and a measured choice would differ between the runs
     compared here; the decision is brought in the policy's state, as a resumed fit brings it.
     """
-    policy = PrecisionPolicy(census_every_n_steps=3, rules="auto", trial_rounds=0, **kw)
+    policy = PrecisionPolicy(census_every_n_steps=3, rules="auto", trial_steps=0, **kw)
     linears = [n for n, m in ZooModule(case.model).named_modules() if gemm_dims(m) is not None]
     measured = Decision("matmul", "fp8", "measured on a GPU")
     policy.load_state_dict({"plan": Plan({"matmul": Decision("matmul", "bf16", "measured on a GPU")},
@@ -132,7 +132,7 @@ def _callbacks(case: Case, letters: str, backend: str = "eager", fp8: str = "") 
             made.append(TorchCompile(backend=backend, modules=blocks if case.compile == "regional" else None,
                                      fallback=False, **kw))
         elif letter == "A":
-            made.append(ActivationCheckpointing(modules=blocks, measure=True, measure_steps=1, **kw))
+            made.append(ActivationCheckpointing(modules=blocks, measure=True, trial_steps=1, **kw))
     assert [c.enabled for c in made] == [letter != case.off for letter in letters]
     return made
 

@@ -240,8 +240,8 @@ def test_measurement_leaves_the_training_run_unchanged(tmp_path, monkeypatch, wi
         monkeypatch.setattr(auto_module, "choose_table", autocast_wins)
     torch.manual_seed(0)
     measured = Probe()
-    # trial_rounds=0: trial steps train on each contender table on purpose; here only the measurement is compared
-    auto = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    # trial_steps=0: trial steps train on each contender table on purpose; here only the measurement is compared
+    auto = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     trainer(tmp_path / "a", [auto], max_steps=3).fit(measured, make_loader())
     torch.manual_seed(0)
     plain = Probe()

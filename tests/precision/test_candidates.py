@@ -266,7 +266,7 @@ def test_close_contenders_are_confirmed_on_real_training_steps(tmp_path):
             _row("norm", speed=1.3, loss=None, cos=None), _row("pointwise", speed=1.2, loss=None, cos=None)]
     # per-class (matmul, activation bf16) 90 ms and its +keep twin and gemm+keep 95 ms: all within 25%, so they
     # contend; fp32 (300 ms) does not
-    policy = Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0, trial_rounds=2)
+    policy = Chosen(rows, "per-class", others_ms=95.0, autocast_ms=150.0, census_every_n_steps=0, trial_steps=2)
     trainer(tmp_path, [policy], max_steps=8).fit(model, make_loader())
     trial = policy.choice.trial
     names = ["per-class", "gemm+keep", "per-class+keep"]
@@ -302,7 +302,7 @@ def test_plain_autocast_is_a_candidate_and_runs_as_bf16_mixed_when_chosen(tmp_pa
     # Where the mode's host cost makes every table slower than autocast (a host-bound GPU step), autocast wins, and
     # the step runs exactly as under precision="bf16-mixed": the policy is never slower than that alternative.
     rows = [_row("matmul", speed=0.4, loss=None, cos=None), _row("norm", speed=1.3, loss=None, cos=None)]
-    policy = Chosen(rows, "gemm+keep", others_ms=95.0, autocast_ms=80.0, census_every_n_steps=2, trial_rounds=0)
+    policy = Chosen(rows, "gemm+keep", others_ms=95.0, autocast_ms=80.0, census_every_n_steps=2, trial_steps=0)
     chosen = Probe()
     trainer(tmp_path / "auto", [policy], max_steps=3).fit(chosen, make_loader())
     plain = Probe()
@@ -352,7 +352,7 @@ def test_a_re_measurement_during_the_trials_ends_the_trial_step_in_progress():
     from lightning_opkit.precision.auto import AutoPrecision
     from lightning_opkit.precision.results import PrecisionMeasurements
 
-    auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_rounds=2)
+    auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_steps=2)
     names = iter([("a", "b"), ("c", "d")])
 
     def choose(model, batch, loss_fn, rows, per_class, dtypes, agree, compiled):

@@ -125,7 +125,7 @@ def test_a_linear_fp8_cannot_take_runs_in_bf16_and_is_named(tmp_path):
 
 
 def test_rules_auto_on_a_cpu_never_picks_fp8_and_says_why(tmp_path):
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     _train(tmp_path, "hf_llama", [policy], 2, precision="32-true")
     assert "fp8" not in policy.table.values()
     assert not policy.fp8.converted
@@ -233,7 +233,7 @@ def test_a_census_of_float8_gemms_inside_activation_checkpoints_leaves_the_recom
 
     def run(census):
         policy = PrecisionPolicy(rules={"matmul": "fp8"}, census_every_n_steps=census, measure=False)
-        checkpointing = ActivationCheckpointing(measure=True, measure_steps=1)
+        checkpointing = ActivationCheckpointing(measure=True, trial_steps=1)
         _, losses = _train(tmp_path / str(census), "hf_llama", [policy, checkpointing], 3, precision="32-true")
         return policy, checkpointing, losses
 

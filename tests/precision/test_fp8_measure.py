@@ -159,7 +159,7 @@ def test_try_fp8_is_checked_at_construction():
 
 def test_rules_auto_with_try_fp8_on_a_cpu_measures_each_linear_and_shows_the_figures(tmp_path):
     model = build("hf_gpt2")  # its projections are Hugging Face Conv1D modules
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0, try_fp8=True)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0, try_fp8=True)
     windows = ProfilerWindows(every_n_steps=2, warmup=0, active=1, roofline=True, export_trace=False)
     run = trainer(tmp_path, [policy, windows], max_steps=3, max_epochs=-1, precision="bf16-mixed")
     run.fit(model, model.loader(n=16))
@@ -182,7 +182,7 @@ def test_rules_auto_with_try_fp8_on_a_cpu_measures_each_linear_and_shows_the_fig
 
 def test_a_checkpointed_float8_decision_runs_again_on_resume_without_measuring(tmp_path):
     module = "model.model.layers.0.mlp.up_proj"
-    first = PrecisionPolicy(rules="auto", census_every_n_steps=1, trial_rounds=0)
+    first = PrecisionPolicy(rules="auto", census_every_n_steps=1, trial_steps=0)
     # the decision a GPU run would have checkpointed: GEMMs in bf16, one MLP Linear in float8
     first.load_state_dict({"plan": Plan({"matmul": Decision("matmul", "bf16", "1.8x faster than fp32")},
                                         fp8={module: _fp8("1.42x faster than bf16")}).state()})
@@ -193,7 +193,7 @@ def test_a_checkpointed_float8_decision_runs_again_on_resume_without_measuring(t
     assert ("matmul", "fp8") in first.census
     path = tmp_path / "a.ckpt"
     run.save_checkpoint(path)
-    again = PrecisionPolicy(rules="auto", census_every_n_steps=1, trial_rounds=0)
+    again = PrecisionPolicy(rules="auto", census_every_n_steps=1, trial_steps=0)
     resumed = build("hf_llama")
     trainer(tmp_path / "b", [again], max_steps=4, max_epochs=-1, precision="bf16-mixed").fit(
         resumed, resumed.loader(n=16), ckpt_path=path)
@@ -216,7 +216,7 @@ def test_a_float8_overflow_in_a_module_auto_chose_is_repaired_and_the_checkpoint
     model = OutlierNet()
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 16, (64,), generator=g))
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     policy.load_state_dict({"plan": Plan({"matmul": Decision("matmul", "fp32", "measured")},
                                          fp8={"proj": _fp8("1.5x faster"), "head": _fp8("1.2x faster")}).state()})
     detector = NaNDetector(action="skip")

@@ -15,7 +15,7 @@ from precision.test_policy import Probe
 def _auto_fit(tmp_path, steps=3):
     torch.manual_seed(0)
     model = Probe()
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     run = trainer(tmp_path, [policy], max_steps=steps)
     run.fit(model, make_loader())
     return run, policy, model
@@ -26,7 +26,7 @@ def test_a_resumed_fit_runs_the_checkpoints_decision_without_measuring(tmp_path)
     assert first.measurements is not None
     path = str(tmp_path / "auto.ckpt")
     run.save_checkpoint(path)
-    resumed = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    resumed = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     run = trainer(tmp_path / "resumed", [resumed], max_steps=5, max_epochs=3)
     run.fit(Probe(), make_loader(), ckpt_path=path)
     assert run.global_step == 5  # it trained on
@@ -89,7 +89,7 @@ def test_a_resumed_fit_with_an_override_added_keeps_the_decision_and_applies_it_
     (key,) = [k for k in state["callbacks"] if k.startswith("PrecisionPolicy")]
     state["callbacks"][key]["plan"]["classes"]["matmul"] = ["bf16", "measured faster"]
     torch.save(state, path)
-    resumed = PrecisionPolicy(rules="auto", overrides={"head": "fp32"}, census_every_n_steps=0, trial_rounds=0)
+    resumed = PrecisionPolicy(rules="auto", overrides={"head": "fp32"}, census_every_n_steps=0, trial_steps=0)
     model = Probe()
     observer = GemmObserver(model)
     run = trainer(tmp_path / "resumed", [resumed, StepMark(observer)], max_steps=5, max_epochs=3)
@@ -124,7 +124,7 @@ def test_checkpoint_state_from_elsewhere_is_refused_naming_the_key_and_the_model
     path = _tampered(tmp_path, change)
     model = Probe()
     before = snapshot(model)
-    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_rounds=0)
+    policy = PrecisionPolicy(rules="auto", census_every_n_steps=0, trial_steps=0)
     with pytest.raises(ValueError, match=message):
         trainer(tmp_path / "resumed", [policy], max_steps=5, max_epochs=3).fit(model, make_loader(), ckpt_path=path)
     assert snapshot(model) == before

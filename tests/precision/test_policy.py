@@ -284,8 +284,8 @@ def test_validation_steps_are_governed_too(tmp_path):
         (dict(overrides={"head": "fp64"}), r"overrides\['head'\]"),
         (dict(census_every_n_steps=-1), "census_every_n_steps"),
         (dict(rules="auto", whole_step="yes"), r"`whole_step`.*'yes'"),
-        (dict(rules="auto", trial_rounds=-1), r"`trial_rounds`.*-1"),
-        (dict(rules="auto", trial_rounds=1.5), r"`trial_rounds`.*1\.5"),
+        (dict(rules="auto", trial_steps=-1), r"`trial_steps`.*-1"),
+        (dict(rules="auto", trial_steps=1.5), r"`trial_steps`.*1\.5"),
     ],
 )
 def test_bad_config(kwargs, match):
