@@ -134,14 +134,11 @@ class NaNDetector(OpkitCallback):
         _check_args(action, every_n_steps, modules, max_consecutive_skips, spike_zscore, spike_window, dead_after,
                     decide, check_forward=check_forward, check_backward=check_backward, check_loss=check_loss,
                     repair=repair)
-        self.action = action
         self.check_forward = check_forward
         self.check_backward = check_backward
         self.check_loss = check_loss
         self.every_n_steps = every_n_steps
         self.modules = list(modules) if modules is not None else None
-        self.max_consecutive_skips = max_consecutive_skips
-        self.repair = repair
         self.spike_zscore = None if spike_zscore is None else float(spike_zscore)
         self.spike_window = spike_window
 
@@ -156,6 +153,35 @@ class NaNDetector(OpkitCallback):
         self._actions = Actions(action, max_consecutive_skips, repair, self._skipper, self._dead)
         self.decide = decide
         self._device = DeviceDecision()
+
+    # What is done about a fault is held once, by the actions part that does it: set here, it changes there.
+
+    @property
+    def action(self) -> str:
+        """``"raise"``, ``"skip"``, ``"warn"`` or ``"stop"``."""
+        return self._actions.action
+
+    @action.setter
+    def action(self, value: str) -> None:
+        self._actions.action = value
+
+    @property
+    def max_consecutive_skips(self) -> int:
+        """With ``action="skip"``, how many steps in a row may be skipped before it raises."""
+        return self._actions.max_consecutive_skips
+
+    @max_consecutive_skips.setter
+    def max_consecutive_skips(self, value: int) -> None:
+        self._actions.max_consecutive_skips = value
+
+    @property
+    def repair(self) -> bool:
+        """Whether a precision fault's culprit is pinned to fp32 from the next step on."""
+        return self._actions.repair
+
+    @repair.setter
+    def repair(self, value: bool) -> None:
+        self._actions.repair = value
 
     @property
     def reports(self) -> list[NaNReport]:

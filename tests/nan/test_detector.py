@@ -118,6 +118,15 @@ def test_skip_raises_after_max_consecutive_skips(tmp_path):
     assert [e["step"] for e in detector.events] == [1, 2, 3]
 
 
+def test_what_is_done_about_a_fault_is_held_once_and_a_change_after_construction_takes_effect(tmp_path):
+    detector = NaNDetector(action="raise", max_consecutive_skips=1)
+    detector.action, detector.max_consecutive_skips = "skip", 3  # as a script may set them before fit
+    trainer(tmp_path, [detector], max_steps=6).fit(TinyNet(forward_steps=(1, 2)), make_loader())
+    assert detector.skipped_steps == 2  # skipped, not raised at step 1, and two in a row allowed
+    assert [e["action"] for e in detector.events] == ["skip", "skip"]
+    assert detector.state_key == NaNDetector(action="skip").state_key
+
+
 def test_warn_skips_and_warns(tmp_path):
     model = TinyNet(backward_steps=(1,))
     detector = NaNDetector(action="warn")
