@@ -408,7 +408,8 @@ class PrecisionPolicy(OpkitCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         step = trainer.global_step
-        start = self._steps.start(step, pl_module.device, measuring_besides(trainer, self), lowered(self.table))
+        start = self._steps.start(step, pl_module.device, lambda: measuring_besides(trainer, self),
+                                  lambda: lowered(self.table))
         for plan in (start.trial, start.restore):  # a contender's table; a resumed fit runs its checkpoint's decision
             if plan is not None:
                 self._apply(pl_module, plan)

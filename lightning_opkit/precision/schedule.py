@@ -122,7 +122,7 @@ class PolicySteps:
         >>> from lightning_opkit.precision.auto import AutoPrecision
         >>> from lightning_opkit.precision.governor import StepGovernor
         >>> steps = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(True, True, 0), StepGovernor({}), 4)
-        >>> [steps.census_step(s) for s in range(5)], steps.start(0, torch.device("cpu"), False, []).measure
+        >>> [steps.census_step(s) for s in range(5)], steps.start(0, torch.device("cpu"), bool, list).measure
         ([True, False, False, False, True], True)
     """
 
@@ -134,24 +134,27 @@ class PolicySteps:
         """Whether training step ``step`` takes a census."""
         return self.census_every > 0 and step % self.census_every == 0
 
-    def start(self, step: int, device: torch.device, others_timing: bool, lowered: list[str]) -> BatchStart:
+    def start(self, step: int, device: torch.device, others_timing: Callable[[], bool],
+              lowered: Callable[[], list[str]]) -> BatchStart:
         """At the batch of optimizer step ``step``: what the policy runs and does before the step.
 
         Args:
             step: the optimizer step the batch belongs to.
             device: the model's device (a trial times its step on it).
-            others_timing: another callback times its own alternatives on the fit's steps now.
-            lowered: the classes the table runs in 16-bit (explicit rules with none are not speed-checked).
+            others_timing: whether another callback times its own alternatives on the fit's steps now; asked only
+                on a trial step (this runs at every batch).
+            lowered: the classes the table runs in 16-bit (explicit rules with none are not speed-checked); asked
+                only on the speed check's batch.
         """
         census = self.governor.census_step = self.census_step(step)
         start = BatchStart()
         if self.auto.trialing and self.schedule.measured_at != step:
-            start.trial = self.auto.begin_trial_step(device, census or others_timing)
+            start.trial = self.auto.begin_trial_step(device, census or others_timing())
         what = self.schedule.at(step)
         if what == "restore":
             start.restore = self.schedule.take_restored()
         start.measure = what == "measure"
-        if what == "speed check" and lowered:
+        if what == "speed check" and lowered():
             self.governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
         return start
 

@@ -55,7 +55,7 @@ def _trialing(census_every: int) -> PolicySteps:
         [_row("matmul", speed=0.4, loss=None, cos=None)], device="given", loss=1.0, seconds=0.0)
     auto._choose = choose
     steps = PolicySteps(auto, MeasureSchedule(auto=True, measure=True, every=0), StepGovernor({}), census_every)
-    assert steps.start(0, CPU, False, []).measure
+    assert steps.start(0, CPU, bool, list).measure
     auto.measure_and_decide(None, torch.zeros(8, 2), None, 0, ["bf16"], lambda v: v, False, False)
     assert auto.trialing
     steps.end(CPU, lambda v: v, {})
@@ -65,11 +65,15 @@ def _trialing(census_every: int) -> PolicySteps:
 CPU = torch.device("cpu")
 
 
+def _never():
+    raise AssertionError("asked on a batch that needs no answer: work on every batch's hot path")
+
+
 def test_a_trial_takes_no_sample_on_a_census_step_nor_while_another_callback_times_its_own():
     steps = _trialing(census_every=3)
     sampled, winner = [], None
     for step in range(1, 12):
-        start = steps.start(step, CPU, step == 2, [])  # at step 2 another callback times its alternatives
+        start = steps.start(step, CPU, lambda step=step: step == 2, list)  # at step 2 another callback times its own
         assert steps.governor.census_step == (step % 3 == 0)
         if start.trial is not None:
             sampled.append(step)
@@ -87,14 +91,14 @@ def test_a_checkpoint_s_plan_runs_instead_of_a_measurement_and_explicit_rules_re
     auto = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(auto=True, measure=True, every=0),
                        StepGovernor({}), 0)
     auto.schedule.restored = "the checkpoint's plan"
-    start = auto.start(5, CPU, False, [])
+    start = auto.start(5, CPU, _never, _never)  # neither is asked off a trial step and the speed check's batch
     assert (start.restore, start.measure, start.trial) == ("the checkpoint's plan", False, None)
     explicit = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(auto=False, measure=True, every=0),
                            StepGovernor({}), 0)
-    explicit.start(0, CPU, False, [])
+    explicit.start(0, CPU, bool, list)
     assert explicit.governor.speed_log is None  # nothing lowered: nothing to check
     explicit.schedule.start()
-    explicit.start(0, CPU, False, ["matmul"])
+    explicit.start(0, CPU, bool, lambda: ["matmul"])
     assert explicit.governor.speed_log is not None  # this batch's step is recorded
     assert explicit.end(CPU, lambda v: v, {}).speed is None  # the step never ran: nothing timed
     assert not explicit.census_step(0)  # census_every=0: none
