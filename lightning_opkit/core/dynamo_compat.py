@@ -163,8 +163,8 @@ def guard_on_hooks() -> Any:
 def inductor_kernel_names() -> Any:
     """A config patch under which Inductor's CPU kernels show in profiler windows under their own names.
 
-    (``cpp_fused_add_gelu_3``), which the taxonomy classifies by the ops they fuse; otherwise their time hides in the
-    graph-call span. The marker in each kernel costs a flag check while no profiler runs.
+    A name such as ``cpp_fused_add_gelu_3`` the taxonomy classifies by the ops it fuses; otherwise the kernels' time
+    hides in the graph-call span. The marker in each kernel costs a flag check while no profiler runs.
     """
     import torch._inductor.config
 

@@ -13,8 +13,11 @@ from lightning_opkit.core.dynamo_compat import (
     cache_entries,
     compiled_code,
     counters,
+    guard_on_hooks,
     inductor_defaults,
+    inductor_kernel_names,
     inductor_modes,
+    keep_boxed_call,
     recompile_limit,
     recompiles_artifact,
     skip_code,
@@ -129,3 +132,25 @@ def test_the_recompile_limit_is_dynamo_s():
         assert recompile_limit() == 3
     finally:
         torch._dynamo.config.recompile_limit = before
+
+
+def test_the_config_patches_set_what_they_name_and_put_it_back():
+    import torch._inductor.config
+
+    before = (torch._dynamo.config.skip_nnmodule_hook_guards, torch._inductor.config.cpp.enable_kernel_profile)
+    with guard_on_hooks(), inductor_kernel_names():
+        assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+        assert torch._inductor.config.cpp.enable_kernel_profile is True
+    assert (torch._dynamo.config.skip_nnmodule_hook_guards, torch._inductor.config.cpp.enable_kernel_profile) == before
+
+
+def test_a_wrapper_of_a_boxed_callable_says_it_is_boxed():
+    def boxed(args):
+        return args
+
+    boxed._boxed_call = True
+    wrapper, plain = (lambda args: args), (lambda *args: args)
+    keep_boxed_call(boxed, wrapper)
+    keep_boxed_call(lambda *args: args, plain)
+    assert getattr(wrapper, "_boxed_call", False) is True
+    assert not hasattr(plain, "_boxed_call")
