@@ -204,7 +204,7 @@ class PrecisionPolicy(OpkitCallback):
         self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
         self._schedule = MeasureSchedule(self.auto, measure, remeasure_every_n_steps)
-        self._steps = PolicySteps(self._auto, self._schedule, self._governor, census_every_n_steps)
+        self._steps = PolicySteps(self._auto, self._schedule, self._governor)
         #: under ``rules="auto"``: the plan in force (checkpointed)
         self._plan: Plan | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -226,7 +226,7 @@ class PrecisionPolicy(OpkitCallback):
 
     def loads_step(self, step: int) -> bool:
         """Whether training step ``step`` is a census step (every op recomputed in fp32: no timed sample there)."""
-        return self._steps.census_step(step)
+        return self.census_every_n_steps > 0 and step % self.census_every_n_steps == 0
 
     @property
     def measuring_steps(self) -> bool:
@@ -408,8 +408,8 @@ class PrecisionPolicy(OpkitCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         step = trainer.global_step
-        start = self._steps.start(step, pl_module.device, lambda: measuring_besides(trainer, self),
-                                  lambda: lowered(self.table))
+        start = self._steps.start(step, pl_module.device, self.loads_step(step),
+                                  lambda: measuring_besides(trainer, self), lambda: lowered(self.table))
         for plan in (start.trial, start.restore):  # a contender's table; a resumed fit runs its checkpoint's decision
             if plan is not None:
                 self._apply(pl_module, plan)

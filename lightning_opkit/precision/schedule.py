@@ -116,37 +116,33 @@ class PolicySteps:
         auto: the policy's ``rules="auto"`` part (measurements and trials).
         schedule: when it measures.
         governor: how each step runs (it takes the census and records the speed check's step).
-        census_every: ``census_every_n_steps`` (0: no census).
 
     Example:
         >>> from lightning_opkit.precision.auto import AutoPrecision
         >>> from lightning_opkit.precision.governor import StepGovernor
-        >>> steps = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(True, True, 0), StepGovernor({}), 4)
-        >>> [steps.census_step(s) for s in range(5)], steps.start(0, torch.device("cpu"), bool, list).measure
-        ([True, False, False, False, True], True)
+        >>> steps = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(True, True, 0), StepGovernor({}))
+        >>> start = steps.start(0, torch.device("cpu"), True, bool, list)
+        >>> start.measure, steps.governor.census_step
+        (True, True)
     """
 
-    def __init__(self, auto: AutoPrecision, schedule: MeasureSchedule, governor: StepGovernor,
-                 census_every: int) -> None:
-        self.auto, self.schedule, self.governor, self.census_every = auto, schedule, governor, census_every
+    def __init__(self, auto: AutoPrecision, schedule: MeasureSchedule, governor: StepGovernor) -> None:
+        self.auto, self.schedule, self.governor = auto, schedule, governor
 
-    def census_step(self, step: int) -> bool:
-        """Whether training step ``step`` takes a census."""
-        return self.census_every > 0 and step % self.census_every == 0
-
-    def start(self, step: int, device: torch.device, others_timing: Callable[[], bool],
+    def start(self, step: int, device: torch.device, census: bool, others_timing: Callable[[], bool],
               lowered: Callable[[], list[str]]) -> BatchStart:
         """At the batch of optimizer step ``step``: what the policy runs and does before the step.
 
         Args:
             step: the optimizer step the batch belongs to.
             device: the model's device (a trial times its step on it).
+            census: this step takes a census (the policy's ``census_every_n_steps``, read as it is now).
             others_timing: whether another callback times its own alternatives on the fit's steps now; asked only
                 on a trial step (this runs at every batch).
             lowered: the classes the table runs in 16-bit (explicit rules with none are not speed-checked); asked
                 only on the speed check's batch.
         """
-        census = self.governor.census_step = self.census_step(step)
+        self.governor.census_step = census
         start = BatchStart()
         if self.auto.trialing and self.schedule.measured_at != step:
             start.trial = self.auto.begin_trial_step(device, census or others_timing())

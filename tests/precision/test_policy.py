@@ -196,6 +196,14 @@ def test_census_off_records_nothing(tmp_path):
     assert policy.census == {}
 
 
+def test_census_turned_off_after_construction_records_nothing(tmp_path):
+    policy = PrecisionPolicy(census_every_n_steps=1)
+    policy.census_every_n_steps = 0  # as a script sets it before fit (the policy's own test of its printed arguments)
+    assert not any(policy.loads_step(step) for step in range(4))
+    trainer(tmp_path, [policy], max_steps=2).fit(Probe(), make_loader())
+    assert policy.census == {}
+
+
 def test_near_overflow_warns_for_half_classes(tmp_path):
     model = Probe(scale=4000.0)
     policy = PrecisionPolicy(rules={"matmul": "fp16"}, census_every_n_steps=1)

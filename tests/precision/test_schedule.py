@@ -41,7 +41,7 @@ def test_explicit_rules_are_speed_checked_once_and_not_at_all_without_measure():
 # Around each batch (PolicySteps), without a Trainer
 
 
-def _trialing(census_every: int) -> PolicySteps:
+def _trialing() -> PolicySteps:
     """Steps whose auto part measured once and put two contenders on trial, two steps each (A B B A)."""
     auto = AutoPrecision(tolerance=0.01, whole_step=True, trial_steps=2)
 
@@ -54,8 +54,8 @@ def _trialing(census_every: int) -> PolicySteps:
     auto._measure = lambda model, batch, loss_fn, **kwargs: PrecisionMeasurements(
         [_row("matmul", speed=0.4, loss=None, cos=None)], device="given", loss=1.0, seconds=0.0)
     auto._choose = choose
-    steps = PolicySteps(auto, MeasureSchedule(auto=True, measure=True, every=0), StepGovernor({}), census_every)
-    assert steps.start(0, CPU, bool, list).measure
+    steps = PolicySteps(auto, MeasureSchedule(auto=True, measure=True, every=0), StepGovernor({}))
+    assert steps.start(0, CPU, False, bool, list).measure
     auto.measure_and_decide(None, torch.zeros(8, 2), None, 0, ["bf16"], lambda v: v, False, False)
     assert auto.trialing
     steps.end(CPU, lambda v: v, {})
@@ -70,10 +70,11 @@ def _never():
 
 
 def test_a_trial_takes_no_sample_on_a_census_step_nor_while_another_callback_times_its_own():
-    steps = _trialing(census_every=3)
+    steps = _trialing()
     sampled, winner = [], None
     for step in range(1, 12):
-        start = steps.start(step, CPU, lambda step=step: step == 2, list)  # at step 2 another callback times its own
+        # a census every 3 steps; at step 2 another callback times its own alternatives
+        start = steps.start(step, CPU, step % 3 == 0, lambda step=step: step == 2, list)
         assert steps.governor.census_step == (step % 3 == 0)
         if start.trial is not None:
             sampled.append(step)
@@ -89,16 +90,15 @@ def test_a_trial_takes_no_sample_on_a_census_step_nor_while_another_callback_tim
 
 def test_a_checkpoint_s_plan_runs_instead_of_a_measurement_and_explicit_rules_record_one_step():
     auto = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(auto=True, measure=True, every=0),
-                       StepGovernor({}), 0)
+                       StepGovernor({}))
     auto.schedule.restored = "the checkpoint's plan"
-    start = auto.start(5, CPU, _never, _never)  # neither is asked off a trial step and the speed check's batch
+    start = auto.start(5, CPU, False, _never, _never)  # neither is asked off a trial step and the speed check's batch
     assert (start.restore, start.measure, start.trial) == ("the checkpoint's plan", False, None)
     explicit = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(auto=False, measure=True, every=0),
-                           StepGovernor({}), 0)
-    explicit.start(0, CPU, bool, list)
+                           StepGovernor({}))
+    explicit.start(0, CPU, False, bool, list)
     assert explicit.governor.speed_log is None  # nothing lowered: nothing to check
     explicit.schedule.start()
-    explicit.start(0, CPU, bool, lambda: ["matmul"])
+    explicit.start(0, CPU, False, bool, lambda: ["matmul"])
     assert explicit.governor.speed_log is not None  # this batch's step is recorded
     assert explicit.end(CPU, lambda v: v, {}).speed is None  # the step never ran: nothing timed
-    assert not explicit.census_step(0)  # census_every=0: none
