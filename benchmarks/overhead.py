@@ -144,6 +144,47 @@ def suite_nan(args) -> None:
               f" = {100 * inside / step:.2f}% of a {step:.2f} ms step")
 
 
+def suite_nan_check(args) -> None:
+    """The per-step check with norms against the one without (finite only), across gradient counts and sizes.
+
+    Interleaved in one process: each round times both on the same tensors, the ratio is per round, its median printed.
+    Past ``FINITE_ONLY_ELEMENTS`` the check without norms hands over to the one with them (ratio ~1); the raw passes are
+    timed there too, to show why.
+    """
+    from lightning_opkit.core.torch_compat import foreach_non_finite_check_, foreach_norm
+    from lightning_opkit.nan.check import FINITE_ONLY_ELEMENTS, check
+
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    for count, size, n in [(c, s, n) for n in sorted({1, threads}) for c, s in (
+            (28, 1_000), (150, 20_000), (200, 20_000), (50, 160_000), (100, 160_000), (64, 500_000))]:
+        if (count, size) == (28, 1_000):
+            print(f"\n== NaNDetector's check on CPU, {n} thread(s): norms (spike_zscore set) against finite only (the"
+                  f" default); finite only up to {FINITE_ONLY_ELEMENTS:,} elements")
+        torch.set_num_threads(n)
+        grads, losses = [torch.randn(size) for _ in range(count)], [torch.tensor(1.0)]
+        timed = {"norms": functools.partial(check, losses, grads, cpu),
+                 "finite only": functools.partial(check, losses, grads, cpu, norms=False),
+                 "raw norm pass": functools.partial(foreach_norm, grads, 2, dtype=torch.float32),
+                 "raw in-place pass": functools.partial(foreach_non_finite_check_, grads, torch.zeros(1),
+                                                        torch.ones(()))}
+        calls = max(3, int(2e7 // (count * size)))
+        ratios: dict[str, list[float]] = {"check": [], "raw": []}
+        for _ in range(max(args.reps, 5)):
+            seconds = {}
+            for name, fn in timed.items():
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                seconds[name] = (time.perf_counter() - t0) / calls
+            ratios["check"].append(seconds["finite only"] / seconds["norms"])
+            ratios["raw"].append(seconds["raw in-place pass"] / seconds["raw norm pass"])
+        print(f"  {count:4d} x {size:>9,} ({count * size:>11,} elements): finite only / norms"
+              f" {statistics.median(ratios['check']):.2f}   (raw passes: in-place / norm"
+              f" {statistics.median(ratios['raw']):.2f})")
+    torch.set_num_threads(threads)
+
+
 class FusedViT(ViTClassifier):
     """The example ViT under a fused AdamW (no schedule): what ``NaNDetector(decide="device")`` needs."""
 
@@ -487,7 +528,7 @@ def alone(make, steps: int, reps: int, between: Callable[[int], bool]) -> None:
         print(f"    {name:<26} {1e3 * median:8.2f} ms/step   ratio {median / base:.3f}")
 
 
-SUITES = {"nan": suite_nan, "nan_device": suite_nan_device, "precision": suite_precision,
+SUITES = {"nan": suite_nan, "nan_check": suite_nan_check, "nan_device": suite_nan_device, "precision": suite_precision,
           "precision_loop": suite_precision_loop,
           "precision_auto": suite_precision_auto,
           "precision_compile": suite_precision_compile,

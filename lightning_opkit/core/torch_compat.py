@@ -38,9 +38,9 @@ COMPILES_UNDER_SELECTIVE_CHECKPOINT = torch.__version__ >= "2.11"
 
 __all__ = ["COMPILES_UNDER_SELECTIVE_CHECKPOINT", "FUNCTION_MODES_UNDER_AOT", "ConvNd", "DropoutNd",
            "HigherOrderOperator", "Loss", "NormBase", "TorchDispatchMode", "cpu_memory_events", "dump_memory_snapshot",
-           "event_list", "events_with_dtypes", "foreach_copy_", "foreach_norm", "function_mode_stack",
-           "mark_scheduler_wrapped", "outside_dispatch_modes", "profiler_enabled", "record_memory_history",
-           "scaler_tensors", "takes_found_inf", "tree_leaves", "tree_map"]
+           "event_list", "events_with_dtypes", "foreach_copy_", "foreach_non_finite_check_", "foreach_norm",
+           "function_mode_stack", "mark_scheduler_wrapped", "outside_dispatch_modes", "profiler_enabled",
+           "record_memory_history", "scaler_tensors", "takes_found_inf", "tree_leaves", "tree_map"]
 
 
 @contextlib.contextmanager
@@ -110,6 +110,10 @@ def events_with_dtypes(prof: Any) -> Any:
 foreach_norm = torch._foreach_norm
 #: copy each source into its destination in place, in one multi-tensor call: ``foreach_copy_(destinations, sources)``
 foreach_copy_ = torch._foreach_copy_
+#: GradScaler's unscale, in place: ``found_inf`` (a 1-element float tensor) is set to 1 where any element of any tensor
+#: is non-finite, and each tensor is multiplied by ``inv_scale`` (a 0-d float tensor; by 1.0 it is rewritten bit for
+#: bit, a pass that writes). On CPU one call over many small tensors costs less host time than a norm per tensor
+foreach_non_finite_check_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 def function_mode_stack() -> list[Any]:

@@ -2,7 +2,7 @@
 
 How a checked step goes, file by file:
 
-- :mod:`.check`: the one cheap check per step (the loss and every gradient, one fused reduction, one host sync).
+- :mod:`.check`: the one cheap check per step (the loss and every gradient, one multi-tensor pass, one host sync).
 - :mod:`.device`: ``decide="device"``: the skip decided on the device by a fused optimizer, the flags read a step late.
 - :mod:`.replays`: the slow path, only after a failed check: the replay with per-module hooks that names where the
   first non-finite value came from, then the cause ladder (precision, data or model, transient); the report.

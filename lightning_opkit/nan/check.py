@@ -1,8 +1,9 @@
-"""NaNDetector's per-step check: the loss and every gradient, one fused reduction, one collective, one host sync."""
+"""NaNDetector's per-step check: the loss and every gradient, one multi-tensor pass, one collective, one host sync."""
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,12 +13,12 @@ from torch import Tensor
 
 from lightning_opkit.core.dtypes import full_name
 from lightning_opkit.core.ranks import local
-from lightning_opkit.core.torch_compat import foreach_norm
+from lightning_opkit.core.torch_compat import foreach_non_finite_check_, foreach_norm
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["Checked", "OUTCOMES", "all_finite", "bad_gradient_shard", "check", "check_step", "flags", "log_values",
-           "outcome", "read"]
+__all__ = ["FINITE_ONLY_ELEMENTS", "Checked", "OUTCOMES", "all_finite", "bad_gradient_shard", "check", "check_step",
+           "finite_only", "flags", "log_values", "outcome", "read"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -31,8 +32,13 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     # example) than concatenating the gradients first. A NaN or Inf anywhere makes its norm non-finite; the norms are
     # taken in fp32, since in a 16-bit gradient's own dtype a finite norm past 65504 (fp16) would overflow. Even fp32
     # overflows for a finite gradient past ~1e19 per element: :func:`check` confirms a failed check exactly.
-    norms = foreach_norm(tensors, 2, dtype=torch.float32)
+    norms = foreach_norm(tensors, 2, dtype=_norm_dtype(tensors))
     return torch.stack(norms).isfinite().all()
+
+
+def _norm_dtype(tensors: list[Tensor]) -> torch.dtype:
+    """fp32, or fp64 where a tensor is fp64: a norm's dtype may widen its input's, never narrow it."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 @dataclass
@@ -87,7 +93,7 @@ def outcome(checked: Checked, spiked: str | None, scaler: bool, forward_fault: C
 
 
 def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
-          dead: Callable[[Tensor | None], Tensor] | None = None) -> Checked:
+          dead: Callable[[Tensor | None], Tensor] | None = None, norms: bool = True) -> Checked:
     """The checked step's one collective and one sync: non-finite flags, and the values spikes are scored on.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
@@ -95,22 +101,30 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     dead flag, their maximum over ranks) tells every rank the same.
 
     Args:
-        losses: the step's (micro-batch) losses, detached.
+        losses: the step's (micro-batch) losses, detached copies (:func:`finite_only` writes them, unchanged).
         grads: the gradients to check; empty to check none.
         device: where to compute the flags when there is nothing to check.
         dead: the dead-parameter flag from the per-gradient norms (a 1-element tensor on the device,
             :meth:`~lightning_opkit.nan.dead.DeadWatch.flag`), reduced and read with the others.
+        norms: the gradient norms are wanted (spikes are scored on them). ``False``, without ``dead``: a healthy
+            step is told by whether anything is non-finite, which on CPU costs less (:func:`finite_only`), and its
+            ``values`` are zeros.
 
     Example:
         >>> checked = check([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
         >>> checked.loss_bad, checked.grad_bad
         (False, True)
     """
-    found, own, norms = flags(losses, grads, device, dead)
+    if not norms and dead is None:
+        found = finite_only(losses, grads)
+        if found is not None and not found.tolist()[0]:  # a healthy step's one host sync
+            return Checked(False, False)
+        # past here a step found non-finite is checked in full, a slow path as its replays are
+    found, own, per_grad = flags(losses, grads, device, dead)
     loss, grad_norm, flagged = read(found.tolist())  # the one host sync of a checked step
     grad_bad = math.isinf(grad_norm) and _exactly_non_finite([g for g in (local(g) for g in grads)
                                                               if not g.is_sparse])
-    return Checked(math.isinf(loss), grad_bad, log_values(loss, grad_norm), own, norms, flagged)
+    return Checked(math.isinf(loss), grad_bad, log_values(loss, grad_norm), own, per_grad, flagged)
 
 
 def log_values(loss: float, grad_norm: float) -> tuple[float, float]:
@@ -154,26 +168,72 @@ def flags(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         >>> found.tolist()
         [1.0, inf]
     """
-    losses = [local(x).float() for x in losses]
-    # a plain gradient (the usual case) skips local()'s look for a shard: this runs once per gradient and step
-    grads = [g for g in (g if type(g) is Tensor else local(g) for g in grads) if not g.is_sparse and g.numel()]
-    if losses:
-        device = losses[0].device
-    elif grads:
-        device = grads[0].device
-    if len(losses) == 1 and losses[0].dim() == 0:
-        loss = losses[0]
-    else:
-        loss = torch.cat([x.reshape(-1) for x in losses]).mean() if losses else torch.zeros((), device=device)
+    grads = _plain(grads)
+    loss = _mean_loss(losses, grads, device)
+    device = loss.device
     # One fused multi-tensor kernel on CUDA. The norms are taken in fp32: in a 16-bit gradient's own dtype a finite
-    # norm past 65504 (fp16) would overflow.
-    norms = torch.stack(foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
+    # norm past 65504 (fp16) would overflow. fp64 gradients (``precision="64-true"``) keep theirs.
+    norms = torch.stack(foreach_norm(grads, 2, dtype=_norm_dtype(grads))) if grads else None
     grad_norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
-    own = torch.stack([loss, grad_norm])
+    own = torch.stack([loss, grad_norm.float()])
     found = own.nan_to_num(nan=math.inf, posinf=math.inf, neginf=math.inf)  # a copy: ``own`` stays this rank's
     if dead is not None:
         found = torch.cat([found, dead(norms).to(device)])
     return _any_rank(found), own, norms
+
+
+#: on CPU, gradients of up to this many elements in all are checked by :func:`finite_only`; past it, a norm per
+#: gradient reads them once where the in-place pass reads and writes them (``benchmarks/overhead.py --suite
+#: nan_check`` measures both across sizes)
+FINITE_ONLY_ELEMENTS = 1 << 22
+_IS_CPU, _REQUIRES_GRAD = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
+_ONE = torch.ones(())  # the unscale's factor: the gradients are rewritten as they are
+
+
+def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
+    """A 1-element flag, 1.0 where a loss or a gradient is non-finite on some rank, 0.0 elsewhere; where it is cheaper.
+
+    On CPU a norm per gradient is a separate kernel each (about a microsecond of host time apiece): GradScaler's
+    in-place check over all of them and the losses is one call, exact (no norm can overflow), and writes each tensor
+    back unchanged (a multiply by 1.0). ``None`` where that does not apply or costs more: a tensor off the CPU (one
+    fused norm kernel there, which only reads), past :data:`FINITE_ONLY_ELEMENTS`, one in an autograd graph (a
+    ``create_graph`` backward: an in-place write would break its later backward), or of a dtype the check does not
+    take (complex).
+
+    Args:
+        losses: the step's losses, copies of the training step's own (they are written, unchanged).
+        grads: the gradients.
+
+    Example:
+        >>> finite_only([torch.tensor(2.0)], [torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
+        [1.0]
+    """
+    tensors = _plain(grads) + _plain(losses)
+    # map() over C-level getters: this runs on every checked step, once per gradient
+    if not tensors or not all(map(_IS_CPU, tensors)) or any(map(_REQUIRES_GRAD, tensors)) or sum(
+            map(Tensor.numel, tensors)) > FINITE_ONLY_ELEMENTS:
+        return None
+    found = torch.zeros(1)
+    try:
+        foreach_non_finite_check_(tensors, found, _ONE)
+    except (RuntimeError, NotImplementedError):  # a complex gradient, one whose elements overlap
+        return None
+    return _any_rank(found)
+
+
+def _plain(grads: list[Tensor]) -> list[Tensor]:
+    """The gradients as this rank holds them, dense and non-empty."""
+    # a plain gradient (the usual case) skips local()'s look for a shard: this runs once per gradient and step
+    return [g for g in (g if type(g) is Tensor else local(g) for g in grads) if not g.is_sparse and g.numel()]
+
+
+def _mean_loss(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> Tensor:
+    """The step's loss in fp32: its micro-batches' mean (zero if none), on their device."""
+    losses = [local(x).float() for x in losses]
+    if len(losses) == 1 and losses[0].dim() == 0:
+        return losses[0]
+    device = losses[0].device if losses else grads[0].device if grads else device
+    return torch.cat([x.reshape(-1) for x in losses]).mean() if losses else torch.zeros((), device=device)
 
 
 def check_step(losses: list[Tensor], grads: list[Tensor], device: torch.device) -> tuple[bool, bool]:

@@ -63,8 +63,8 @@ def _check_args(action: Any, every_n_steps: Any, modules: Any, max_consecutive_s
 class NaNDetector(OpkitCallback):
     """Detect NaN/Inf in the loss, the forward pass and the backward pass; name the first module that produced it.
 
-    Every checked step costs one fused check of the loss and all gradients and one host sync, before the optimizer
-    step (none with ``decide="device"``). Only when that check fails is the step's batch replayed (same weights, same
+    Every checked step costs one multi-tensor check of the loss and all gradients and one host sync, before the
+    optimizer step (none with ``decide="device"``). Only when that check fails is the step's batch replayed (same weights, same
     RNG state) with hooks on every module, to name the module whose output went non-finite from finite inputs (or
     whose backward produced a non-finite input-gradient, or the parameter whose gradient is non-finite).
 
@@ -345,7 +345,8 @@ class NaNDetector(OpkitCallback):
         if self._skipper.state is not BatchState.CHECKING:
             return
         pending, self._stepped = list(self._pending), True
-        checked = check(*self._inputs(trainer, pl_module, pending, optimizer))
+        # without spike scores the check needs no norms: on CPU only whether anything is non-finite is asked
+        checked = check(*self._inputs(trainer, pl_module, pending, optimizer), norms=self._spikes.watch is not None)
         if checked.dead:
             self._name_dead(trainer, pl_module)
         scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
@@ -376,9 +377,10 @@ class NaNDetector(OpkitCallback):
                 optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[Tensor], torch.device,
                                                            Callable[[Tensor | None], Tensor] | None]:
         """What a checked step checks (:func:`.check.check`, :func:`.check.flags`): losses, gradients, dead flag."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params if p.grad is not None] if self.check_backward else []
-        dead = None if self._dead is None else functools.partial(self._dead.flag, params, step=trainer.global_step)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None] if (
+            self.check_backward) else []
+        dead = None if self._dead is None else functools.partial(
+            self._dead.flag, [p for g in optimizer.param_groups for p in g["params"]], step=trainer.global_step)
         return [m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead
 
     def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -21,6 +21,7 @@ from lightning_opkit.core.torch_compat import (
     NormBase,
     event_list,
     foreach_copy_,
+    foreach_non_finite_check_,
     foreach_norm,
     function_mode_stack,
     mark_scheduler_wrapped,
@@ -42,7 +43,8 @@ NAMES = [
     "torch.autograd.profiler_util.FunctionEvent", "torch.utils.flop_counter.sdpa_flop_count",
     "torch.utils.flop_counter.sdpa_backward_flop_count", "torch.utils.flop_counter.conv_backward_flop",
     # the check, replays, sharded training
-    "torch._foreach_norm", "torch._foreach_copy_", "torch.utils._pytree.tree_map", "torch.utils._pytree.tree_leaves",
+    "torch._foreach_norm", "torch._foreach_copy_", "torch._amp_foreach_non_finite_check_and_unscale_",
+    "torch.utils._pytree.tree_map", "torch.utils._pytree.tree_leaves",
     "torch.distributed.fsdp.FSDPModule", "torch.cuda.Event", "torch.cuda.Event.query", "torch.cuda.Event.synchronize",
     "torch.overrides.TorchFunctionMode", "torch.backends.cuda.matmul.fp32_precision",
     # the memory view, activation checkpointing, the snapshot on out of memory
@@ -82,6 +84,18 @@ def test_foreach_norm_takes_a_result_dtype():
     (norm,) = foreach_norm([torch.ones(4, dtype=torch.half)], 2, dtype=torch.float32)
     assert norm.dtype == torch.float32
     assert list(foreach_norm([torch.tensor([3.0, -4.0])], math.inf)) == [torch.tensor(4.0)]
+
+
+def test_foreach_non_finite_check_sets_its_flag_and_rewrites_by_a_factor_of_one_bit_for_bit():
+    tensors = [torch.tensor([1.5, -0.0], dtype=torch.bfloat16), torch.tensor([2.0, float("inf")])]
+    found = torch.zeros(1)
+    foreach_non_finite_check_(tensors, found, torch.ones(()))
+    assert found.tolist() == [1.0]
+    assert tensors[0].tolist() == [1.5, -0.0]
+    assert str(tensors[0][1].item()) == "-0.0"
+    halved = [torch.tensor([4.0])]
+    foreach_non_finite_check_(halved, found.zero_(), torch.tensor(0.5))  # what GradScaler's unscale is for
+    assert (halved[0].tolist(), found.tolist()) == ([2.0], [0.0])
 
 
 def test_foreach_copy_writes_in_place():

@@ -5,7 +5,16 @@ import math
 
 import torch
 
-from lightning_opkit.nan.check import OUTCOMES, Checked, all_finite, check, flags, outcome
+from lightning_opkit.nan.check import (
+    FINITE_ONLY_ELEMENTS,
+    OUTCOMES,
+    Checked,
+    all_finite,
+    check,
+    finite_only,
+    flags,
+    outcome,
+)
 
 
 def test_a_finite_step_flags_nothing_and_hands_on_its_log_values():
@@ -64,3 +73,65 @@ def test_non_finite_values_reach_the_host_as_inf_whatever_their_sign_and_the_log
     assert not checked.grad_bad
     assert checked.values[0] == -math.log1p(3.0)
     assert checked.values[1] < -60  # log of a zero norm, finite
+
+
+# The check without norms (nan/check.py: finite_only): on CPU one in-place pass over the losses and gradients.
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).clone()
+
+
+def _cases():
+    """Losses and gradients of several dtypes, each case with the non-finite places put in by hand."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for bad in (None, "loss nan", "grad inf", "grad -inf", "grad nan", "huge"):
+            grads = [torch.randn(n, generator=gen).to(dtype) for n in (7, 300, 1)]
+            grads[1][:4] = torch.tensor([0.0, -0.0, 1e-40, -6e-8]).to(dtype)  # signed zeros, subnormals
+            losses = [torch.tensor(2.5)]
+            if bad == "loss nan":
+                losses = [torch.tensor(1.0), torch.tensor(float("nan"))]
+            elif bad == "huge":  # finite, but its norm overflows fp32 (or fp16 where it is one): not a fault
+                grads[0][0] = torch.finfo(dtype).max
+            elif bad is not None:
+                grads[2 if "nan" in bad else 1][-1] = float(bad.split()[1])
+            yield dtype, bad, losses, grads
+
+
+def test_the_check_without_norms_says_what_an_element_by_element_look_says_and_leaves_every_bit_in_place():
+    for dtype, bad, losses, grads in _cases():
+        before = [_bits(t) for t in losses + grads]
+        observed = (not all(bool(x.isfinite().all()) for x in losses),
+                    not all(bool(g.isfinite().all()) for g in grads))  # the independent look
+        found = finite_only(losses, grads)
+        assert found is not None, (dtype, bad)
+        assert found.tolist() == [float(any(observed))], (dtype, bad)
+        checked = check(losses, grads, torch.device("cpu"), norms=False)
+        assert (checked.loss_bad, checked.grad_bad) == observed, (dtype, bad)
+        assert (checked.loss_bad, checked.grad_bad) == (lambda c: (c.loss_bad, c.grad_bad))(
+            check(losses, grads, torch.device("cpu"))), (dtype, bad)  # as the check with norms says
+        assert all(torch.equal(b, _bits(t)) for b, t in zip(before, losses + grads, strict=True)), (dtype, bad)
+
+
+def test_the_check_without_norms_hands_over_where_its_pass_does_not_apply_and_the_full_check_decides():
+    nan = torch.tensor([1.0, float("nan")])
+    # complex, elements that overlap (an expanded gradient): the full check takes them
+    for grads in ([torch.tensor([1j, float("inf")])], [torch.ones(1).expand(4)]):
+        assert finite_only([torch.tensor(1.0)], grads) is None
+    assert check([torch.tensor(1.0)], [torch.ones(1).expand(4), nan], torch.device("cpu"), norms=False).grad_bad
+    # past the size where a norm per gradient costs less
+    assert FINITE_ONLY_ELEMENTS < 1 << 24
+    assert finite_only([torch.tensor(1.0)], [torch.zeros(FINITE_ONLY_ELEMENTS), nan]) is None
+
+
+def test_gradients_of_a_create_graph_backward_are_not_written_so_their_graph_still_runs():
+    weight = torch.randn(4, 3, requires_grad=True)
+    loss = (weight.sin() * 2).sum()
+    loss.backward(create_graph=True)
+    assert weight.grad.requires_grad
+    assert finite_only([loss.detach().clone()], [weight.grad]) is None
+    checked = check([loss.detach().clone()], [weight.grad], torch.device("cpu"), norms=False)
+    assert (checked.loss_bad, checked.grad_bad) == (False, False)
+    penalty = weight.grad.square().sum()
+    (hessian_term,) = torch.autograd.grad(penalty, weight)  # the gradient's own graph runs: nothing wrote into it
+    assert torch.allclose(hessian_term, -8 * weight.cos() * weight.sin())

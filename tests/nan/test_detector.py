@@ -340,3 +340,13 @@ def test_under_a_grad_scaler_a_forward_nan_the_loss_never_reads_is_a_fault_not_a
     assert [(e["step"], e["phase"], e["module"]) for e in detector.events] == [(2, "forward", "body.1")]
     assert detector.skipped_steps == 1
     assert scales[2] == scales[1]  # the detector's skip leaves the scaler as it was: it was no overflow
+
+
+@pytest.mark.parametrize("spike_zscore", [None, 6.0], ids=["finite only", "with norms"])
+def test_64_true_is_checked_in_fp64(tmp_path, spike_zscore):
+    # fp64 gradients once made the check's fp32 norms raise; both ways of checking now name the module
+    with pytest.raises(NonFiniteError) as info:
+        trainer(tmp_path, [NaNDetector(spike_zscore=spike_zscore)], max_steps=4, precision="64-true").fit(
+            TinyNet(forward_steps=(2,)), make_loader())
+    assert (info.value.report["step"], info.value.report["module"]) == (2, "body.1")
+    assert info.value.report["dtype"] == "float64"
