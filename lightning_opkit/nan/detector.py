@@ -64,9 +64,9 @@ class NaNDetector(OpkitCallback):
     """Detect NaN/Inf in the loss, the forward pass and the backward pass; name the first module that produced it.
 
     Every checked step costs one multi-tensor check of the loss and all gradients and one host sync, before the
-    optimizer step (none with ``decide="device"``). Only when that check fails is the step's batch replayed (same weights, same
-    RNG state) with hooks on every module, to name the module whose output went non-finite from finite inputs (or
-    whose backward produced a non-finite input-gradient, or the parameter whose gradient is non-finite).
+    optimizer step (none with ``decide="device"``). Only when that check fails is the step's batch replayed (same
+    weights, same RNG state) with hooks on every module, to name the module whose output went non-finite from finite
+    inputs (or whose backward produced a non-finite input-gradient, or the parameter whose gradient is non-finite).
 
     Args:
         action: ``"raise"`` a :class:`NonFiniteError`; ``"skip"`` the optimizer step (weights, optimizer state and
