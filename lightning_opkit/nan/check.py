@@ -208,7 +208,7 @@ def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
         >>> finite_only([torch.tensor(2.0)], [torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
         [1.0]
     """
-    tensors = _plain(grads) + _plain(losses)
+    tensors = _plain([*grads, *losses])
     # map() over C-level getters: this runs on every checked step, once per gradient
     if not tensors or not all(map(_IS_CPU, tensors)) or any(map(_REQUIRES_GRAD, tensors)) or sum(
             map(Tensor.numel, tensors)) > FINITE_ONLY_ELEMENTS:
