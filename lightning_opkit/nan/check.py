@@ -6,6 +6,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,8 @@ from lightning_opkit.core.torch_compat import foreach_non_finite_check_, foreach
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["FINITE_ONLY_ELEMENTS", "Checked", "OUTCOMES", "all_finite", "bad_gradient_shard", "check", "check_step",
-           "finite_only", "flags", "log_values", "outcome", "read"]
+__all__ = ["FINITE_ONLY_ELEMENTS", "OUTCOMES", "Checked", "Outcome", "all_finite", "bad_gradient_shard", "check",
+           "check_step", "finite_only", "flags", "log_values", "outcome", "read"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -67,29 +68,57 @@ class Checked:
 OUTCOMES = ("healthy", "spike", "scaler overflow", "non-finite")
 
 
-def outcome(checked: Checked, spiked: str | None, scaler: bool, forward_fault: Callable[[], bool]) -> str:
-    """What a checked step is, one of :data:`OUTCOMES`, from what its check found.
+@dataclass(frozen=True)
+class Outcome:
+    """What a checked step is (one of :data:`OUTCOMES`), with what acting on it needs.
+
+    Args:
+        kind: one of :data:`OUTCOMES`.
+        spiked: on a spike, what spiked: ``"loss"`` or ``"gradient"``.
+        scores: the step's loss and gradient-norm scores, where spikes are scored (a good step's enter the window).
+        scale: on a scaler overflow, the GradScaler's scale after it (read then only: a sync).
+    """
+
+    kind: str
+    spiked: str | None = None
+    scores: tuple[float, float] = (0.0, 0.0)
+    scale: float | None = None
+
+
+_HEALTHY = Outcome("healthy")  # frozen: one value serves every healthy step
+
+
+def outcome(checked: Checked, score: Callable[[Checked], tuple[str | None, tuple[float, float]]] | None,
+            scaler: Any, forward_fault: Callable[[], bool]) -> Outcome:
+    """What a checked step is, from what its check found: the one place that sorts a step.
 
     Args:
         checked: the check's findings.
-        spiked: what spiked (``"loss"``, ``"gradient"``), scored on a finite step only; ``None``: nothing.
-        scaler: a GradScaler scales the loss (fp16 under ``16-mixed``).
+        score: scores a finite step for spikes: ``(what spiked or None, (loss score, gradient score))``
+            (:meth:`~lightning_opkit.nan.spike_report.Spikes.judge`); ``None``: spikes are not looked for.
+        scaler: the GradScaler that scales the loss (fp16 under ``16-mixed``), or ``None``.
         forward_fault: replays the forwards and says whether a module's output went non-finite; asked only for
             non-finite gradients beside a finite loss under a GradScaler.
 
     Example:
-        >>> outcome(Checked(False, True), None, scaler=True, forward_fault=lambda: False)
-        'scaler overflow'
-        >>> outcome(Checked(False, True), None, scaler=False, forward_fault=lambda: False)
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        >>> outcome(Checked(False, True), None, scaler, forward_fault=lambda: False)
+        Outcome(kind='scaler overflow', spiked=None, scores=(0.0, 0.0), scale=1024.0)
+        >>> outcome(Checked(False, True), None, None, forward_fault=lambda: False).kind
         'non-finite'
+        >>> outcome(Checked(False, False), lambda checked: ("loss", (9.0, 0.5)), None, lambda: False).kind
+        'spike'
     """
     if checked.loss_bad or checked.grad_bad:
         # fp16 loss scaling overflows the backward on purpose (the scaler skips that step and lowers the scale); loss
         # scaling cannot make a forward activation non-finite, so such a step is a fault of its own
-        if scaler and not checked.loss_bad and not forward_fault():
-            return "scaler overflow"
-        return "non-finite"
-    return "healthy" if spiked is None else "spike"
+        if scaler is not None and not checked.loss_bad and not forward_fault():
+            return Outcome("scaler overflow", scale=float(scaler.get_scale()))
+        return Outcome("non-finite")
+    if score is None:
+        return _HEALTHY
+    spiked, scores = score(checked)
+    return Outcome("healthy" if spiked is None else "spike", spiked, scores)
 
 
 def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
@@ -197,8 +226,8 @@ def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
     in-place check over all of them and the losses is one call, exact (no norm can overflow), and writes each tensor
     back unchanged (a multiply by 1.0). ``None`` where that does not apply or costs more: a tensor off the CPU (one
     fused norm kernel there, which only reads), past :data:`FINITE_ONLY_ELEMENTS`, one in an autograd graph (a
-    ``create_graph`` backward: an in-place write would break its later backward), or of a dtype the check does not
-    take (complex).
+    ``create_graph`` backward: an in-place write would break its later backward), a shard (a DTensor), sparse, or of a
+    dtype the check does not take (complex).
 
     Args:
         losses: the step's losses, copies of the training step's own (they are written, unchanged).
@@ -208,15 +237,16 @@ def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
         >>> finite_only([torch.tensor(2.0)], [torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
         [1.0]
     """
-    tensors = _plain([*grads, *losses])
-    # map() over C-level getters: this runs on every checked step, once per gradient
-    if not tensors or not all(map(_IS_CPU, tensors)) or any(map(_REQUIRES_GRAD, tensors)) or sum(
-            map(Tensor.numel, tensors)) > FINITE_ONLY_ELEMENTS:
+    tensors = [*grads, *losses]
+    # map() over C-level getters: this runs on every checked step, once per gradient. A shard (DTensor) is left to the
+    # full check, which reads its local part
+    if not tensors or set(map(type, tensors)) != {Tensor} or not all(map(_IS_CPU, tensors)) or any(
+            map(_REQUIRES_GRAD, tensors)) or sum(map(Tensor.numel, tensors)) > FINITE_ONLY_ELEMENTS:
         return None
     found = torch.zeros(1)
     try:
         foreach_non_finite_check_(tensors, found, _ONE)
-    except (RuntimeError, NotImplementedError):  # a complex gradient, one whose elements overlap
+    except (RuntimeError, NotImplementedError):  # sparse or complex gradients, one whose elements overlap
         return None
     return _any_rank(found)
 

@@ -349,26 +349,24 @@ class NaNDetector(OpkitCallback):
         checked = check(*self._inputs(trainer, pl_module, pending, optimizer), norms=self._spikes.watch is not None)
         if checked.dead:
             self._name_dead(trainer, pl_module)
-        scores = self._spikes.watch.scores(checked.values) if self._spikes.watch is not None else (0.0, 0.0)
-        spiked = None if checked.loss_bad or checked.grad_bad else self._spikes.which_spiked(*scores)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        kind = outcome(checked, spiked, scaler is not None,
-                       lambda: self._replays.forward_fault(trainer, pl_module, pending))
-        if kind == "spike" and spiked is not None:
-            report = report_spike(self._replays, trainer, pl_module, self._spikes, pending, checked, spiked, optimizer)
-            self._actions.act(trainer, pl_module, report)
-        elif kind == "healthy":
+        verdict = outcome(checked, self._spikes.judge if self._spikes.watch is not None else None,
+                          getattr(trainer.precision_plugin, "scaler", None),
+                          lambda: self._replays.forward_fault(trainer, pl_module, pending))
+        if verdict.kind == "healthy":
             self._actions.good_step()
             self._scale_watch.healthy()
             if self._spikes.watch is not None:
-                self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, scores)
-        elif kind == "scaler overflow" and scaler is not None:
-            # the GradScaler skips the step and lowers its scale; the scale is read (a sync) only on such a step
+                self._spikes.healthy(checked.values, checked.norms, pending[-1] if pending else None, verdict.scores)
+        elif verdict.kind == "spike":
+            report = report_spike(self._replays, trainer, pl_module, self._spikes, pending, checked,
+                                  str(verdict.spiked), optimizer)
+            self._actions.act(trainer, pl_module, report)
+        elif verdict.kind == "scaler overflow":
+            # the GradScaler skips the step and lowers its scale
             self._skipper.scaler_skips()
-            scale = float(scaler.get_scale())
-            if self._scale_watch.skipped_step(scale):
+            if verdict.scale is not None and self._scale_watch.skipped_step(verdict.scale):
                 self._actions.collapsed(trainer, pl_module, self._replays.collapse_report(
-                    trainer, pl_module, pending, scale, self._scale_watch.describe(scale)))
+                    trainer, pl_module, pending, verdict.scale, self._scale_watch.describe(verdict.scale)))
         else:
             self._actions.act(trainer, pl_module, self._replays.report(trainer, pl_module, pending, checked.loss_bad,
                                                                        optimizer))

@@ -239,6 +239,11 @@ class Spikes:
         if self._state is not None:
             self.watch.load_state_dict(self._state)
 
+    def judge(self, checked: Checked) -> tuple[str | None, tuple[float, float]]:
+        """A finite checked step's scores against the window, and what spiked (``None``: nothing)."""
+        scores = self.watch.scores(checked.values) if self.watch is not None else (0.0, 0.0)
+        return self.which_spiked(*scores), scores
+
     def which_spiked(self, loss_z: float, grad_z: float) -> str | None:
         """``"loss"``, ``"gradient"`` or ``None``: what spiked (the loss first: it is what the user watches)."""
         if loss_z > self.zscore:

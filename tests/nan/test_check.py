@@ -9,6 +9,7 @@ from lightning_opkit.nan.check import (
     FINITE_ONLY_ELEMENTS,
     OUTCOMES,
     Checked,
+    Outcome,
     all_finite,
     check,
     finite_only,
@@ -46,19 +47,26 @@ def test_all_finite_over_tensors_of_several_dtypes():
 
 
 def test_outcome_is_the_one_decision_of_a_checked_step():
-    asked = []
+    asked, scored = [], []
 
     def forward_fault(answer):
         return lambda: asked.append(answer) or answer
 
+    def score(spiked):
+        return lambda checked: scored.append(checked) or (spiked, (7.5 if spiked else 0.5, 0.25))
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler.scale(torch.ones(()))  # the scale tensor exists from the first scale on
     healthy, nan_loss, nan_grads = Checked(False, False), Checked(True, False), Checked(False, True)
-    assert outcome(healthy, None, scaler=False, forward_fault=forward_fault(False)) == "healthy"
-    assert outcome(healthy, "loss", scaler=False, forward_fault=forward_fault(False)) == "spike"
-    assert outcome(nan_loss, None, scaler=True, forward_fault=forward_fault(False)) == "non-finite"
+    assert outcome(healthy, None, None, forward_fault(False)) == Outcome("healthy")
+    assert outcome(healthy, score(None), None, forward_fault(False)) == Outcome("healthy", None, (0.5, 0.25))
+    assert outcome(healthy, score("loss"), None, forward_fault(False)) == Outcome("spike", "loss", (7.5, 0.25))
+    assert outcome(nan_loss, score("loss"), scaler, forward_fault(False)) == Outcome("non-finite")
     assert asked == []  # the forward replays are asked for nothing but non-finite gradients under a scaler
-    assert outcome(nan_grads, None, scaler=True, forward_fault=forward_fault(False)) == "scaler overflow"
-    assert outcome(nan_grads, None, scaler=True, forward_fault=forward_fault(True)) == "non-finite"
-    assert outcome(nan_grads, None, scaler=False, forward_fault=forward_fault(True)) == "non-finite"
+    assert scored == [healthy, healthy]  # a non-finite step is not scored
+    assert outcome(nan_grads, None, scaler, forward_fault(False)) == Outcome("scaler overflow", scale=4096.0)
+    assert outcome(nan_grads, None, scaler, forward_fault(True)).kind == "non-finite"
+    assert outcome(nan_grads, None, None, forward_fault(True)).kind == "non-finite"
     assert asked == [False, True]
     assert set(OUTCOMES) == {"healthy", "spike", "scaler overflow", "non-finite"}
 
@@ -115,8 +123,8 @@ def test_the_check_without_norms_says_what_an_element_by_element_look_says_and_l
 
 def test_the_check_without_norms_hands_over_where_its_pass_does_not_apply_and_the_full_check_decides():
     nan = torch.tensor([1.0, float("nan")])
-    # complex, elements that overlap (an expanded gradient): the full check takes them
-    for grads in ([torch.tensor([1j, float("inf")])], [torch.ones(1).expand(4)]):
+    # complex, elements that overlap (an expanded gradient), sparse: the full check takes them
+    for grads in ([torch.tensor([1j, float("inf")])], [torch.ones(1).expand(4)], [torch.ones(3).to_sparse()]):
         assert finite_only([torch.tensor(1.0)], grads) is None
     assert check([torch.tensor(1.0)], [torch.ones(1).expand(4), nan], torch.device("cpu"), norms=False).grad_bad
     # past the size where a norm per gradient costs less
