@@ -144,6 +144,30 @@ def fit_table(rules: str | dict[str, str] | None, default: str, precision: str, 
     return table
 
 
+def fit_checked(rules: str | dict[str, str] | None, default: str, precision: str, device: torch.device | str,
+                overrides: dict[str, str], scaler: bool) -> dict[str, str]:
+    """A fit's starting table (:func:`fit_table`), refused at setup where it cannot run beside this precision.
+
+    Args:
+        rules: as given to the policy.
+        default: the policy's ``default``.
+        precision: the Trainer's precision, as a string.
+        device: where the model runs.
+        overrides: module path -> dtype name, for the modules the overrides matched.
+        scaler: whether the Trainer's precision plugin has a GradScaler.
+
+    Example:
+        >>> fit_checked({"matmul": "fp16"}, "keep", "bf16-mixed", "cpu", {}, scaler=False)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: PrecisionPolicy runs ['matmul'] in fp16 while Trainer(precision='bf16-mixed') autocasts ...
+    """
+    table = fit_table(rules, default, precision, device)
+    check_one_low_dtype(table, overrides, precision)
+    check_fp16(table, [n for n, d in overrides.items() if d == "fp16"], scaler, precision)
+    return table
+
+
 def check_fp16(table: dict[str, str], fp16_modules: list[str], scaler: bool, precision: str) -> None:
     """Raise at setup when something runs in fp16 without a GradScaler to scale the loss.
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_opkit.core.patch import Patches
 from lightning_opkit.precision.census import Census
@@ -20,7 +21,10 @@ from lightning_opkit.precision.dtypes import DTYPES, GOVERNED
 from lightning_opkit.precision.function_mode import ModeState, PolicyMode
 from lightning_opkit.precision.oplog import OpLog
 
-__all__ = ["ASIDE", "AUTOCAST_LOWERS", "StepGovernor", "autocast_expresses"]
+__all__ = ["ASIDE", "AUTOCAST_LOWERS", "STEP_METHODS", "StepGovernor", "autocast_expresses"]
+
+#: a LightningModule's step methods, each run as the policy says
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 ASIDE = "nothing lowered on this fp32 model: the policy stands aside (the model runs as written, no census)"
 #: the op classes autocast lowers to its 16-bit dtype: their ops are on its lower-precision list on CPU and CUDA, or
@@ -183,6 +187,24 @@ class StepGovernor:
         if not self.passthrough:
             return True  # a table to apply, or module overrides (on top of plain autocast too)
         return bool(self.state.autocast_devices)  # fp32 decided, but the Trainer's autocast would lower ops
+
+    def govern_steps(self, patches: Patches, model: Any) -> dict[str, Callable[..., Any]]:
+        """Run ``model``'s step methods as the policy says, through ``patches``; their originals, by name.
+
+        Lightning runs a validation or test loop only if the user overrode its step: a wrapper must not look like an
+        override of a method the user never wrote (``predict_step``'s default does run, so it is governed).
+
+        Args:
+            patches: the policy's patches (undone at teardown).
+            model: the LightningModule.
+        """
+        originals = {}
+        for method in STEP_METHODS:
+            if method in ("validation_step", "test_step") and not is_overridden(method, model):
+                continue
+            original = originals[method] = getattr(model, method)
+            patches.set(model, method, self.wrap(original, method == "training_step"))
+        return originals
 
     def wrap(self, step: Callable[..., Any], is_training: bool) -> Callable[..., Any]:
         """``step`` (a LightningModule's step method), run as the policy says."""

@@ -17,7 +17,6 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_opkit.core.callback import OpkitCallback
@@ -31,10 +30,8 @@ from lightning_opkit.precision.census import merge_rows
 from lightning_opkit.precision.config import (
     AUTOCAST_DTYPE,
     DEFAULT_RULES,
-    check_fp16,
-    check_one_low_dtype,
     check_policy_args,
-    fit_table,
+    fit_checked,
     initial_table,
 )
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
@@ -66,9 +63,6 @@ from lightning_opkit.precision.view import (
 )
 
 __all__ = ["DEFAULT_RULES", "PrecisionPolicy"]
-
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-
 
 class PrecisionPolicy(OpkitCallback):
     """Run each operator class (matmul, norm, softmax, ...) in the dtype a policy gives it, and census what ran.
@@ -310,12 +304,10 @@ class PrecisionPolicy(OpkitCallback):
         matched = resolve_modules(pl_module, self.overrides, argument="overrides", owner="PrecisionPolicy")
         if stage == "fit":
             # the 16-bit dtype the Trainer autocasts to; none where the device lacks its units and nothing asked for it
-            self.table = fit_table(self.rules, self.default, str(trainer.precision), trainer.strategy.root_device)
+            self.table = fit_checked(self.rules, self.default, str(trainer.precision), trainer.strategy.root_device,
+                                     {n: d for n, _ in matched if (d := match_rule(n, self.overrides))},
+                                     getattr(trainer.precision_plugin, "scaler", None) is not None)
             self._governor.set_table(self.table)
-            overrides = {n: match_rule(n, self.overrides) for n, _ in matched}
-            check_one_low_dtype(self.table, overrides, trainer.precision)  # type: ignore[arg-type]
-            check_fp16(self.table, [n for n, d in overrides.items() if d == "fp16"],
-                       getattr(trainer.precision_plugin, "scaler", None) is not None, trainer.precision)
         keep_out_of_dynamo_frames()
         hold_rnn_input_casts(self._patches, pl_module)
         for name, module in matched:
@@ -323,13 +315,7 @@ class PrecisionPolicy(OpkitCallback):
             # an fp8 override is about its Linears' GEMMs: its other ops run as their class rules say
             self._governor.hold_override(self._patches, module, None if rule == FP8 else DTYPES[rule])  # type: ignore[index]
         self.fp8.start(pl_module, self.table, self.overrides, trainer.strategy.root_device)
-        for method in _STEP_METHODS:
-            # Lightning runs a validation/test loop only if the user overrode its step: a wrapper must not look like
-            # an override of a method the user never wrote (predict_step's default does run, so it is governed).
-            if method in ("validation_step", "test_step") and not is_overridden(method, pl_module):
-                continue
-            original = self._originals[method] = getattr(pl_module, method)
-            self._patches.set(pl_module, method, self._governor.wrap(original, method == "training_step"))
+        self._originals = self._governor.govern_steps(self._patches, pl_module)
         self._open_writer(trainer, stage)
         self._facts = facts_of(trainer)
         self._record_facts()

@@ -124,3 +124,32 @@ def test_plain_autocast_chosen_by_auto_still_runs_the_mode_for_a_module_override
         governor.autocast = "bf16"  # what auto's plan says
         governor.settle(table, {}, model, overrides=overrides)
         assert governor.wrap(_mode_and_autocast, is_training=True)() == runs
+
+
+def test_the_governor_runs_the_step_methods_a_user_wrote_and_leaves_the_ones_lightning_skips_unwrapped():
+    from lightning_opkit.core.patch import Patches
+
+    class OnlyTraining(pl.LightningModule):  # no validation_step nor test_step of its own
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+    model, patches = OnlyTraining(), Patches()
+    table = {c: "bf16" if c == "matmul" else "fp32" for c in GOVERNED}
+    governor = StepGovernor(table)
+    governor.express(table, model, False)
+    originals = governor.govern_steps(patches, model)
+    assert sorted(originals) == ["predict_step", "training_step"]  # Lightning runs predict_step's default
+    assert "validation_step" not in vars(model)
+    assert "test_step" not in vars(model)
+    dtypes = []
+    model.layer.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    model.training_step(torch.ones(2, 4), 0)
+    assert dtypes == [torch.bfloat16]  # the wrapped step ran under the policy
+    patches.restore()
+    assert "training_step" not in vars(model)
+    model.training_step(torch.ones(2, 4), 0)
+    assert dtypes == [torch.bfloat16, torch.float32]  # the user's own method again
