@@ -42,7 +42,7 @@ def _norm_dtype(tensors: list[Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-@dataclass(frozen=True)
+@dataclass
 class Checked:
     """What one checked step found, the same on every rank (after the one collective and the one sync).
 
@@ -62,9 +62,6 @@ class Checked:
     local: Tensor | None = None
     norms: Tensor | None = None
     dead: bool = False
-
-
-_CLEAN = Checked(False, False)  # frozen: one value serves every clean step checked without norms
 
 
 #: what a checked step turned out to be, the one decision NaNDetector's hook dispatches on
@@ -133,7 +130,7 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     dead flag, their maximum over ranks) tells every rank the same.
 
     Args:
-        losses: the step's (micro-batch) losses, detached.
+        losses: the step's (micro-batch) losses, detached copies (:func:`finite_only` writes them, unchanged).
         grads: the gradients to check; empty to check none.
         device: where to compute the flags when there is nothing to check.
         dead: the dead-parameter flag from the per-gradient norms (a 1-element tensor on the device,
@@ -149,10 +146,8 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
     """
     if not norms and dead is None:
         found = finite_only(losses, grads)
-        if found is not None:
-            loss, bad = found.tolist()  # the one host sync of a checked step
-            if math.isfinite(loss) and not bad:
-                return _CLEAN
+        if found is not None and not found.tolist()[0]:  # a healthy step's one host sync
+            return Checked(False, False)
         # past here a step found non-finite is checked in full, a slow path as its replays are
     found, own, per_grad = flags(losses, grads, device, dead)
     loss, grad_norm, flagged = read(found.tolist())  # the one host sync of a checked step
@@ -225,38 +220,35 @@ _ONE = torch.ones(())  # the unscale's factor: the gradients are rewritten as th
 
 
 def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
-    """``[the mean loss, 1.0 if a gradient is non-finite else 0.0]``, their maximum over ranks; where it is cheaper.
+    """A 1-element flag, 1.0 where a loss or a gradient is non-finite on some rank, 0.0 elsewhere; where it is cheaper.
 
     On CPU a norm per gradient is a separate kernel each (about a microsecond of host time apiece): GradScaler's
-    in-place check over all of them is one call, exact (no norm can overflow), and writes each gradient back unchanged
-    (a multiply by 1.0; the losses are not written). ``None`` where that does not apply or costs more: a gradient off
-    the CPU (one fused norm kernel there, which only reads), past :data:`FINITE_ONLY_ELEMENTS`, one in an autograd
-    graph (a ``create_graph`` backward: an in-place write would break its later backward), a shard (a DTensor),
-    sparse, or of a dtype the check does not take (complex).
+    in-place check over all of them and the losses is one call, exact (no norm can overflow), and writes each tensor
+    back unchanged (a multiply by 1.0). ``None`` where that does not apply or costs more: a tensor off the CPU (one
+    fused norm kernel there, which only reads), past :data:`FINITE_ONLY_ELEMENTS`, one in an autograd graph (a
+    ``create_graph`` backward: an in-place write would break its later backward), a shard (a DTensor), sparse, or of a
+    dtype the check does not take (complex).
 
     Args:
-        losses: the step's losses, detached.
+        losses: the step's losses, copies of the training step's own (they are written, unchanged).
         grads: the gradients.
 
     Example:
         >>> finite_only([torch.tensor(2.0)], [torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
-        [2.0, 1.0]
+        [1.0]
     """
+    tensors = [*grads, *losses]
     # map() over C-level getters: this runs on every checked step, once per gradient. A shard (DTensor) is left to the
     # full check, which reads its local part
-    if not grads or set(map(type, grads)) != {Tensor} or not all(map(_IS_CPU, grads)) or any(
-            map(_REQUIRES_GRAD, grads)) or sum(map(Tensor.numel, grads)) > FINITE_ONLY_ELEMENTS:
+    if not tensors or set(map(type, tensors)) != {Tensor} or not all(map(_IS_CPU, tensors)) or any(
+            map(_REQUIRES_GRAD, tensors)) or sum(map(Tensor.numel, tensors)) > FINITE_ONLY_ELEMENTS:
         return None
     found = torch.zeros(1)
     try:
-        foreach_non_finite_check_(grads, found, _ONE)
+        foreach_non_finite_check_(tensors, found, _ONE)
     except (RuntimeError, NotImplementedError):  # sparse or complex gradients, one whose elements overlap
         return None
-    both = torch.cat([_mean_loss(losses, grads, found.device).reshape(1), found])
-    if dist.is_available() and dist.is_initialized():
-        both = both.nan_to_num(nan=math.inf, posinf=math.inf, neginf=math.inf)  # a maximum over ranks keeps +inf
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return both
+    return _any_rank(found)
 
 
 def _plain(grads: list[Tensor]) -> list[Tensor]:

@@ -326,14 +326,11 @@ class NaNDetector(OpkitCallback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._skipper.state is BatchState.CHECKING and self._pending:
-            # On CUDA a copy: under CUDA graphs (mode="reduce-overhead") the loss lives in memory the next replay
-            # reuses. Elsewhere the loss itself, read before this step ends: no op here, where any would be the first
-            # since the forward (the costliest on a small model's step)
-            if loss.is_cuda:
-                loss = loss.detach().clone()
+            # a copy: under CUDA graphs (mode="reduce-overhead") the loss lives in memory the next replay reuses
+            loss = loss.detach().clone()
             micro = self._pending[-1]
             # a manually optimized step may call manual_backward more than once: their sum is what it trained on
-            micro.loss = loss if micro.loss is None else micro.loss.detach() + loss.detach()
+            micro.loss = loss if micro.loss is None else micro.loss + loss
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -382,7 +379,7 @@ class NaNDetector(OpkitCallback):
             self.check_backward) else []
         dead = None if self._dead is None else functools.partial(
             self._dead.flag, [p for g in optimizer.param_groups for p in g["params"]], step=trainer.global_step)
-        return [m.loss.detach() for m in pending if m.loss is not None], grads, pl_module.device, dead
+        return [m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead
 
     def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""

@@ -113,11 +113,7 @@ def test_the_check_without_norms_says_what_an_element_by_element_look_says_and_l
                     not all(bool(g.isfinite().all()) for g in grads))  # the independent look
         found = finite_only(losses, grads)
         assert found is not None, (dtype, bad)
-        loss, flag = found.tolist()
-        assert (not math.isfinite(loss), flag == 1.0) == observed, (dtype, bad)
-        assert flag in (0.0, 1.0)
-        if not observed[0]:
-            assert loss == torch.stack(losses).mean().item()
+        assert found.tolist() == [float(any(observed))], (dtype, bad)
         checked = check(losses, grads, torch.device("cpu"), norms=False)
         assert (checked.loss_bad, checked.grad_bad) == observed, (dtype, bad)
         assert (checked.loss_bad, checked.grad_bad) == (lambda c: (c.loss_bad, c.grad_bad))(
