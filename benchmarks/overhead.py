@@ -463,10 +463,20 @@ def zoo_variant(name: str):
     return make
 
 
+def wide_variant(name: str, width: int, callbacks: list[pl.Callback]):
+    from launch_bound import zoo_model  # imports this module: only at call time
+
+    model = zoo_model(name, width)
+    return model, callbacks, {"data": model.loader(n=4 * 200)}
+
+
 def suite_kit(args) -> None:
     """The whole kit's steady-state cost: steps between census and windows, census and window steps, per callback."""
     models = {"example ViT": lambda callbacks: (vit(), callbacks, {}),
               "hf_gpt2 (zoo)": zoo_variant("hf_gpt2"), "hf_llama (zoo)": zoo_variant("hf_llama")}
+    for width in args.kit_widths:  # the same two at a wider d_model, built as benchmarks/launch_bound.py builds them
+        for name in ("hf_gpt2", "hf_llama"):
+            models[f"{name} d_model {width}"] = functools.partial(wide_variant, name, width)
     steps = max(args.steps, 3 * KIT_EVERY)
 
     def between(step: int) -> bool:  # not a census step, not in a window, past auto's measurement and trials
@@ -542,6 +552,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each median")
+    parser.add_argument("--kit-widths", nargs="*", type=int, default=[],
+                        help="--suite kit: also the zoo GPT-2 and Llama at these d_model (4 layers, seq 64)")
     parser.add_argument("--cold-one", help=argparse.SUPPRESS)  # "vit:whole", "gpt2:regional", ...
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
