@@ -37,9 +37,13 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     return torch.stack(norms).isfinite().all()
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 def _norm_dtype(tensors: list[Tensor]) -> torch.dtype:
     """fp32, or fp64 where a tensor is fp64: a norm's dtype may widen its input's, never narrow it."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    # map() over a C-level getter: the norms path runs this on every checked step, once per gradient
+    return torch.float64 if torch.float64 in map(_DTYPE, tensors) else torch.float32
 
 
 @dataclass
