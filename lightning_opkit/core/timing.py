@@ -201,7 +201,7 @@ class StepClock:
 
     def start(self, device: torch.device | str) -> None:
         """A step begins on ``device``."""
-        if torch.device(device).type == "cuda":
+        if (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda":
             self._open = torch.cuda.Event(enable_timing=True)
             self._open.record()
         else:

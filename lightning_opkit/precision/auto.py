@@ -95,6 +95,11 @@ class AutoPrecision:
         """Whether contenders are being confirmed on the coming training steps."""
         return self._trials is not None
 
+    @property
+    def idle(self) -> bool:
+        """Whether a batch's end has nothing to time (no trial, no trial step open)."""
+        return self._trials is None and not self._trial_step
+
     def reset(self) -> None:
         """Forget trials in progress (a new fit)."""
         self._trials, self._trial_step = None, False

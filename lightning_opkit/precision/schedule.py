@@ -74,7 +74,7 @@ class MeasureSchedule:
         return plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchStart:
     """What a batch's start asks of the policy, in this order.
 
@@ -89,7 +89,7 @@ class BatchStart:
     measure: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchEnd:
     """What a batch's end hands the policy.
 
@@ -102,6 +102,9 @@ class BatchEnd:
     plan: Plan | None = None
     speed: PrecisionMeasurements | None = None
     census: list[Any] | None = None
+
+
+_NOTHING_STARTS, _NOTHING_ENDS = BatchStart(), BatchEnd()
 
 
 class PolicySteps:
@@ -143,16 +146,15 @@ class PolicySteps:
                 only on the speed check's batch.
         """
         self.governor.census_step = census
-        start = BatchStart()
-        if self.auto.trialing and self.schedule.measured_at != step:
-            start.trial = self.auto.begin_trial_step(device, census or others_timing())
+        trial_step = self.auto.trialing and self.schedule.measured_at != step
         what = self.schedule.at(step)
-        if what == "restore":
-            start.restore = self.schedule.take_restored()
-        start.measure = what == "measure"
+        if what is None and not trial_step:
+            return _NOTHING_STARTS  # most batches, once decided (this runs at every one)
         if what == "speed check" and lowered():
             self.governor.speed_log = OpLog()  # filled by this batch's own training step, timed at its end
-        return start
+        return BatchStart(trial=self.auto.begin_trial_step(device, census or others_timing()) if trial_step else None,
+                          restore=self.schedule.take_restored() if what == "restore" else None,
+                          measure=what == "measure")
 
     def end(self, device: torch.device, agree: Callable[[Any], Any], table: dict[str, str]) -> BatchEnd:
         """At the batch's end: a trial's winner, the speed check of the recorded step, the census's rows.
@@ -162,11 +164,10 @@ class PolicySteps:
             agree: rank zero's value on every rank (a trial's winner must be the same everywhere).
             table: the class table in force (what the speed check times against fp32).
         """
-        end = BatchEnd(self.auto.end_trial_step(device, agree))
-        log, self.governor.recorded = self.governor.recorded, None
-        if log is not None:
-            end.speed = check_speed(log, device, table)
-        census, self.governor.census_done = self.governor.census_done, None
-        if census is not None:
-            end.census = census.rows()
-        return end
+        governor = self.governor
+        if self.auto.idle and governor.recorded is None and governor.census_done is None:
+            return _NOTHING_ENDS  # most batches (this runs at every one)
+        plan = self.auto.end_trial_step(device, agree)
+        log, census, governor.recorded, governor.census_done = governor.recorded, governor.census_done, None, None
+        return BatchEnd(plan, check_speed(log, device, table) if log is not None else None,
+                        census.rows() if census is not None else None)

@@ -102,3 +102,20 @@ def test_a_checkpoint_s_plan_runs_instead_of_a_measurement_and_explicit_rules_re
     explicit.start(0, CPU, False, bool, lambda: ["matmul"])
     assert explicit.governor.speed_log is not None  # this batch's step is recorded
     assert explicit.end(CPU, lambda v: v, {}).speed is None  # the step never ran: nothing timed
+
+
+def test_an_ordinary_batch_asks_nothing_and_is_handed_nothing_and_a_remeasurement_mid_trial_still_samples():
+    auto = PolicySteps(AutoPrecision(0.01, True, 2), MeasureSchedule(auto=True, measure=True, every=5),
+                       StepGovernor({}))
+    assert auto.start(0, CPU, False, _never, _never).measure
+    auto.end(CPU, _never, {})
+    for step in (1, 2, 3, 4, 6):  # decided, not trialing, no census: the fast path on both sides
+        start, end = auto.start(step, CPU, False, _never, _never), auto.end(CPU, _never, {})
+        assert (start.trial, start.restore, start.measure) == (None, None, False)
+        assert (end.plan, end.speed, end.census) == (None, None, None)
+    assert auto.start(5 * 2, CPU, False, _never, _never).measure  # every=5: step 10 measures again
+    steps = _trialing()
+    steps.schedule.every = 2
+    start = steps.start(2, CPU, False, bool, _never)  # a trial step that is also a remeasurement: both, as before
+    assert start.measure
+    assert start.trial is not None
