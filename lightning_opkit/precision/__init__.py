@@ -4,6 +4,8 @@ How a step runs:
 
 - :mod:`.policy`: :class:`PrecisionPolicy`, the Lightning callback; :mod:`.config` checks its arguments and builds
   the starting table (op class -> dtype).
+- :mod:`.in_force`: the decision in force (the table, the plan it came from, module overrides, float8 modules and
+  pins), installed on the model and read by every report and the checkpoint; :mod:`.plan` is a decision as a value.
 - :mod:`.schedule`: when the policy measures (the first batch, every N steps, a checkpoint's plan instead).
 - :mod:`.governor`: wraps each step method; a step runs under the policy's mode, under plain autocast (when auto
   chose it, or the table is exactly what autocast does), or as written (fp32 everywhere on an fp32 model).

@@ -1,8 +1,9 @@
 """PrecisionPolicy: decide the dtype of each operator class (and each module), and show what actually ran.
 
-The callback orchestrates Trainer-free parts: argument checks and the starting table (:mod:`.config`), the function
-mode that casts (:mod:`.function_mode`), ``rules="auto"``'s measurement, candidates and trials (:mod:`.auto`), the
-explicit rules' speed check (:mod:`.speed_check`) and the census (:mod:`.census`).
+The callback orchestrates Trainer-free parts: argument checks and the starting table (:mod:`.config`), the decision
+in force and what it installs on the model (:mod:`.in_force`), the function mode that casts (:mod:`.function_mode`),
+``rules="auto"``'s measurement, candidates and trials (:mod:`.auto`), the explicit rules' speed check
+(:mod:`.speed_check`) and the census (:mod:`.census`).
 
 Logged (rank zero): ``opkit/precision/policy`` (the table, at setup and after each decision),
 ``opkit/precision/sensitivity`` and ``opkit/precision/decision`` (measurements, candidates and evidence),
@@ -35,9 +36,8 @@ from lightning_opkit.precision.config import (
     initial_table,
 )
 from lightning_opkit.precision.decide import DEFAULT_TOLERANCE, Decision
-from lightning_opkit.precision.dtypes import DTYPES, GOVERNED, NEVER_CAST, DtypeName, OpClassName
+from lightning_opkit.precision.dtypes import NEVER_CAST, DtypeName, OpClassName
 from lightning_opkit.precision.fp8 import (
-    FP8,
     Float8Linears,
     Fp8Recipe,
     auto_candidates,
@@ -47,9 +47,10 @@ from lightning_opkit.precision.fp8 import (
     running_in,
 )
 from lightning_opkit.precision.fp8_measure import Fp8Ask
-from lightning_opkit.precision.function_mode import hold_rnn_input_casts, keep_out_of_dynamo_frames
+from lightning_opkit.precision.function_mode import keep_out_of_dynamo_frames
 from lightning_opkit.precision.governor import StepGovernor
-from lightning_opkit.precision.plan import Plan, labelled_overrides, pinned_arguments
+from lightning_opkit.precision.in_force import DecisionInForce
+from lightning_opkit.precision.plan import Plan
 from lightning_opkit.precision.results import PrecisionMeasurements
 from lightning_opkit.precision.schedule import MeasureSchedule, PolicySteps
 from lightning_opkit.precision.speed_check import lowered
@@ -181,7 +182,6 @@ class PrecisionPolicy(OpkitCallback):
         self.measure = measure
         self.whole_step = whole_step
         self.trial_steps = trial_steps
-        self.table: dict[str, str] = initial_table(self.rules, default)
         #: the last census: ``{(class, dtype name): {"calls", "absmax", "rel_error", "underflow_frac",
         #: "headroom_bits", "override"}}``; error and underflow for 16-bit rows, headroom for fp16 rows, else ``None``
         self.census: dict[tuple[str, str], dict[str, Any]] = {}
@@ -189,18 +189,16 @@ class PrecisionPolicy(OpkitCallback):
         self._speed_measurements: PrecisionMeasurements | None = None
         self._auto = AutoPrecision(self.tolerance, whole_step, trial_steps)
         self.fp8_recipe, self.try_fp8, self.fp8_all_gather = fp8_recipe, try_fp8, fp8_all_gather
-        self._governor = StepGovernor(self.table)
+        table = initial_table(self.rules, default)
+        self._governor = StepGovernor(table)
         #: the modules whose GEMMs run in float8 (``"fp8"`` rules and overrides), and those float8 could not take
         # a bound method, not a lambda: the callback pickles (ddp_spawn sends it to each process)
         self.fp8 = Float8Linears(fp8_recipe, census=self._governor.census, all_gather=fp8_all_gather)
+        self._in_force = DecisionInForce(table, self._governor, self.fp8)
 
-        #: modules pinned at run time (``pin``, a NaN repair) -> dtype
-        self.pinned: dict[str, str] = {}
         self._facts: RunFacts | None = None
         self._schedule = MeasureSchedule(self.auto, measure, remeasure_every_n_steps)
         self._steps = PolicySteps(self._auto, self._schedule, self._governor)
-        #: under ``rules="auto"``: the plan in force (checkpointed)
-        self._plan: Plan | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
 
     @property
@@ -209,9 +207,14 @@ class PrecisionPolicy(OpkitCallback):
         return self._auto.measurements if self.auto else self._speed_measurements
 
     @property
+    def table(self) -> dict[str, str]:
+        """Op class -> the dtype name it runs in now (the rules, then each ``rules="auto"`` decision)."""
+        return self._in_force.table
+
+    @property
     def decisions(self) -> dict[str, Decision]:
         """With ``rules="auto"``: op class -> the decision in force and its evidence (empty until decided)."""
-        return dict(self._plan.classes) if self._plan is not None else {}
+        return self._in_force.decisions
 
     @property
     def choice(self) -> StepChoice | None:
@@ -276,11 +279,7 @@ class PrecisionPolicy(OpkitCallback):
             module: the module.
             dtype: the dtype name.
         """
-        for converted in self.fp8.inside(module):
-            self.fp8.revert(converted)  # a float8 GEMM pinned back to the dtype asked
-        self._governor.hold_override(self._patches, module, DTYPES[dtype])
-        self._governor.pinned = True
-        self.pinned[name] = dtype
+        self._in_force.pin(self._patches, name, module, dtype)
 
     def layout(self) -> dict[str, dict[str, list[Any]]]:
         """The census charts (error, underflow, fp16 headroom, calls) and what measuring cost."""
@@ -288,13 +287,18 @@ class PrecisionPolicy(OpkitCallback):
 
     def summary_lines(self) -> list[str]:
         """This callback's lines of the run summary."""
-        overrides = labelled_overrides(self.overrides, self.pinned, self._plan)
+        overrides = self._in_force.labelled_overrides(self.overrides)
         governor = self._governor
         lines = summary_lines(self.table, self.decisions, overrides, governor.autocast, governor.aside(),
                               self._auto if self.auto else None)
         again = self.decision_as_arguments()
         lines += fp8_lines(self.fp8, self._auto.fp8_lines() if self.auto else None)
         return lines + ([f"  to run this decision again without measuring: {again}"] if again else [])
+
+    @property
+    def pinned(self) -> dict[str, str]:
+        """Modules pinned at run time (:meth:`pin`, a NaN repair) -> dtype name."""
+        return self._in_force.pinned
 
     # lifecycle
 
@@ -304,24 +308,18 @@ class PrecisionPolicy(OpkitCallback):
         matched = resolve_modules(pl_module, self.overrides, argument="overrides", owner="PrecisionPolicy")
         if stage == "fit":
             # the 16-bit dtype the Trainer autocasts to; none where the device lacks its units and nothing asked for it
-            self.table = fit_checked(self.rules, self.default, str(trainer.precision), trainer.strategy.root_device,
-                                     {n: d for n, _ in matched if (d := match_rule(n, self.overrides))},
-                                     getattr(trainer.precision_plugin, "scaler", None) is not None)
-            self._governor.set_table(self.table)
+            self._in_force.start(fit_checked(self.rules, self.default, str(trainer.precision),
+                                             trainer.strategy.root_device,
+                                             {n: d for n, _ in matched if (d := match_rule(n, self.overrides))},
+                                             getattr(trainer.precision_plugin, "scaler", None) is not None))
         keep_out_of_dynamo_frames()
-        hold_rnn_input_casts(self._patches, pl_module)
-        for name, module in matched:
-            rule = match_rule(name, self.overrides)
-            # an fp8 override is about its Linears' GEMMs: its other ops run as their class rules say
-            self._governor.hold_override(self._patches, module, None if rule == FP8 else DTYPES[rule])  # type: ignore[index]
-        self.fp8.start(pl_module, self.table, self.overrides, trainer.strategy.root_device)
+        self._in_force.install(self._patches, pl_module, matched, self.overrides, trainer.strategy.root_device,
+                               self.auto)
         self._originals = self._governor.govern_steps(self._patches, pl_module)
         self._open_writer(trainer, stage)
         self._facts = facts_of(trainer)
         self._record_facts()
         self._schedule.start()
-        self._governor.passthrough, self._governor.autocast = False, None
-        self._governor.express({} if self.auto else self.table, pl_module, bool(matched or self.fp8.converted))
         self._auto.reset()
         self._log_table(trainer.global_step)
 
@@ -339,27 +337,13 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def _release(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> None:
         self._originals.clear()
-        self.fp8.restore()
-        self.pinned.clear()
-        self._governor.pinned = False
-        self._governor.clear()
+        self._in_force.release()
 
     # the plan: which ops run in which dtype
 
     def _apply(self, pl_module: pl.LightningModule, plan: Plan) -> None:
-        """Run ``plan`` from now on: its classes' dtypes, or plain autocast."""
-        governor = self._governor
-        self._plan = plan
-        governor.autocast, governor.autocast_device = plan.autocast, pl_module.device.type
-        self.fp8.choose(plan.fp8, pl_module, self.overrides)
-        table = dict(self.table)
-        # Classes the model was not seen to run: fp32, or under plain autocast whatever autocast does with them.
-        table.update(dict.fromkeys(GOVERNED, "fp32" if plan.autocast is None else "keep"))
-        table.update(plan.dtypes)
-        self.table = table
-        governor.set_table(table)
-        governor.settle(table, plan.dtypes, pl_module, bool(self.overrides),
-                        bool(self.fp8.converted))
+        """Run ``plan`` from now on (:meth:`.DecisionInForce.apply`) and tell the kit."""
+        self._in_force.apply(plan, pl_module, self.overrides)
         self._record_facts()
 
     def _record_facts(self) -> None:
@@ -374,9 +358,7 @@ class PrecisionPolicy(OpkitCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if not self.auto or self._plan is None or self._auto.trialing:
-            return {}
-        return {"plan": self._plan.state(self.fp8.by_auto, self.overrides)}  # float8 as it runs, unpinned
+        return self._in_force.state(self.overrides) if self.auto and not self._auto.trialing else {}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -384,9 +366,7 @@ class PrecisionPolicy(OpkitCallback):
 
     def decision_as_arguments(self) -> str | None:
         """With ``rules="auto"``, once decided: the arguments that run this decision in the next run unmeasured."""
-        if not self.auto or self._plan is None:
-            return None
-        return pinned_arguments(self.table, self._plan.autocast, list(self.fp8.by_auto), self.fp8_recipe)
+        return self._in_force.as_arguments(self.fp8_recipe) if self.auto else None
 
     # batches: measure, trial, census
 
@@ -453,7 +433,7 @@ class PrecisionPolicy(OpkitCallback):
         if self._writer is None or self._auto.measurements is None:
             return
         self._writer.text("opkit/precision/sensitivity", self._auto.sensitivity_markdown(
-            self._plan.dtypes if self._plan is not None else {}), step)
+            self._in_force.plan.dtypes if self._in_force.plan is not None else {}), step)
         again = f"\n\nTo run it again without measuring: `{self.decision_as_arguments()}`"
         self._writer.text("opkit/precision/decision", self._auto.decision_markdown(
             self.decisions, self._governor.aside()) + again, step)
