@@ -237,6 +237,42 @@ def test_every_module_has_its_test_file():
     assert without == [], f"modules with no test file of their own: {without}"
 
 
+#: what in a test fits or runs a Trainer, or a whole program: a helper's ``trainer(``, ``.fit(``, the CLI, a process
+RUNS_A_TRAINER = ("trainer(", ".fit(", "LightningCLI", "run_cli", "subprocess")
+
+
+def _tests_without_a_fit(path: pathlib.Path) -> list[str]:
+    """The test functions of ``path`` that fit no Trainer, neither themselves nor through a helper of the same file."""
+    source = path.read_text()
+    defs = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    fitting = {name for name, node in defs.items()
+               if any(k in ast.get_source_segment(source, node) for k in RUNS_A_TRAINER)}
+    grown = True
+    while grown:  # a helper that calls a fitting helper fits too
+        grown = False
+        for name, node in defs.items():
+            if name not in fitting and any(isinstance(n, ast.Name) and n.id in fitting for n in ast.walk(node)):
+                fitting.add(name)
+                grown = True
+    return [name for name in defs if name.startswith("test") and name not in fitting]
+
+
+def test_each_trainer_free_module_has_a_test_that_fits_no_trainer():
+    """Issue 52: a module that imports nothing of Lightning is tested without fitting a Trainer, at least once, in
+    its own test file (a Trainer built only to hand a LogWriter its logger, never fitted, counts as none)."""
+    fitted_only = []
+    for path, tree in _modules():
+        modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        if path.name == "__init__.py" or any(m.split(".")[0] == "lightning" for m in modules):
+            continue
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        test_file = pathlib.Path(__file__).parent.joinpath(*parts[:-1]) / f"test_{parts[-1]}.py"
+        if not _tests_without_a_fit(test_file):
+            fitted_only.append(".".join(parts))
+    assert fitted_only == [], f"Trainer-free modules tested only by fitting a Trainer: {fitted_only}"
+
+
 def test_the_tests_mirror_the_package_and_each_file_imports_the_module_it_is_named_for():
     tests = pathlib.Path(__file__).parent
     areas = {p.name for p in tests.iterdir() if p.is_dir() and (p / "__init__.py").exists() and p.name != "zoo"}
