@@ -18,8 +18,8 @@ from lightning_opkit.core.torch_compat import foreach_non_finite_check_, foreach
 from lightning_opkit.nan.report import Origin
 from lightning_opkit.opclass import classify_module
 
-__all__ = ["FINITE_ONLY_ELEMENTS", "OUTCOMES", "Checked", "Outcome", "all_finite", "bad_gradient_shard", "check",
-           "check_step", "finite_only", "flags", "log_values", "outcome", "read"]
+__all__ = ["FINITE_ONLY_ELEMENTS", "OUTCOMES", "Checked", "FiniteOnly", "Outcome", "all_finite", "bad_gradient_shard",
+           "check", "check_step", "finite_only", "flags", "log_values", "outcome", "read"]
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:
@@ -46,7 +46,7 @@ def _norm_dtype(tensors: list[Tensor]) -> torch.dtype:
     return torch.float64 if torch.float64 in map(_DTYPE, tensors) else torch.float32
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checked:
     """What one checked step found, the same on every rank (after the one collective and the one sync).
 
@@ -66,6 +66,9 @@ class Checked:
     local: Tensor | None = None
     norms: Tensor | None = None
     dead: bool = False
+
+
+_CLEAN = Checked(False, False)  # frozen: one value serves every healthy step the quick check tells
 
 
 #: what a checked step turned out to be, the one decision NaNDetector's hook dispatches on
@@ -126,7 +129,8 @@ def outcome(checked: Checked, score: Callable[[Checked], tuple[str | None, tuple
 
 
 def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
-          dead: Callable[[Tensor | None], Tensor] | None = None, norms: bool = True) -> Checked:
+          dead: Callable[[Tensor | None], Tensor] | None = None, norms: bool = True,
+          quick: Callable[[list[Tensor], list[Tensor]], Tensor | None] | None = None) -> Checked:
     """The checked step's one collective and one sync: non-finite flags, and the values spikes are scored on.
 
     Gradients are checked where they live: a sharded gradient (a DTensor under FSDP2 or tensor parallel) by its
@@ -142,6 +146,7 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         norms: the gradient norms are wanted (spikes are scored on them). ``False``, without ``dead``: a healthy
             step is told by whether anything is non-finite, which on CPU costs less (:func:`finite_only`), and its
             ``values`` are zeros.
+        quick: that cheaper check, kept across a fit's steps (a :class:`FiniteOnly`); ``None``: :func:`finite_only`.
 
     Example:
         >>> checked = check([torch.tensor(1.0)], [torch.tensor([float("nan")])], torch.device("cpu"))
@@ -149,9 +154,9 @@ def check(losses: list[Tensor], grads: list[Tensor], device: torch.device,
         (False, True)
     """
     if not norms and dead is None:
-        found = finite_only(losses, grads)
+        found = (quick or finite_only)(losses, grads)
         if found is not None and not found.tolist()[0]:  # a healthy step's one host sync
-            return Checked(False, False)
+            return _CLEAN
         # past here a step found non-finite is checked in full, a slow path as its replays are
     found, own, per_grad = flags(losses, grads, device, dead)
     loss, grad_norm, flagged = read(found.tolist())  # the one host sync of a checked step
@@ -231,7 +236,8 @@ def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
     back unchanged (a multiply by 1.0). ``None`` where that does not apply or costs more: a tensor off the CPU (one
     fused norm kernel there, which only reads), past :data:`FINITE_ONLY_ELEMENTS`, one in an autograd graph (a
     ``create_graph`` backward: an in-place write would break its later backward), a shard (a DTensor), sparse, or of a
-    dtype the check does not take (complex).
+    dtype the check does not take (complex). A fit's steps use a :class:`FiniteOnly`, which works out once what
+    does not change between them.
 
     Args:
         losses: the step's losses, copies of the training step's own (they are written, unchanged).
@@ -241,18 +247,49 @@ def finite_only(losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
         >>> finite_only([torch.tensor(2.0)], [torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
         [1.0]
     """
-    tensors = [*grads, *losses]
-    # map() over C-level getters: this runs on every checked step, once per gradient. A shard (DTensor) is left to the
-    # full check, which reads its local part
-    if not tensors or set(map(type, tensors)) != {Tensor} or not all(map(_IS_CPU, tensors)) or any(
-            map(_REQUIRES_GRAD, tensors)) or sum(map(Tensor.numel, tensors)) > FINITE_ONLY_ELEMENTS:
-        return None
-    found = torch.zeros(1)
-    try:
-        foreach_non_finite_check_(tensors, found, _ONE)
-    except (RuntimeError, NotImplementedError):  # sparse or complex gradients, one whose elements overlap
-        return None
-    return _any_rank(found)
+    return FiniteOnly()(losses, grads)
+
+
+class FiniteOnly:
+    """:func:`finite_only` across one fit's steps, with what they do not change worked out once.
+
+    A step's gradients are its parameters': their types, devices and sizes are looked at again only when their
+    count changes (a tensor that would still not do makes the multi-tensor check raise, and the full check runs
+    instead). Whether ranks are joined is read at the first step, once the process group exists; the flag's storage
+    is allocated once. In a training step's hooks every lookup runs with cold caches, at several times its warm cost.
+
+    Example:
+        >>> quick = FiniteOnly()
+        >>> bad = torch.tensor([0.0, float("-inf")])
+        >>> [quick([torch.tensor(2.0)], [torch.ones(3), g]).tolist() for g in (torch.ones(2), bad)]
+        [[0.0], [1.0]]
+    """
+
+    def __init__(self) -> None:
+        self._count, self._fits = -1, False
+        self._found = torch.zeros(1)
+        self._joined: bool | None = None
+
+    def __call__(self, losses: list[Tensor], grads: list[Tensor]) -> Tensor | None:
+        """The flag for this step's ``losses`` and ``grads`` (:func:`finite_only`)."""
+        tensors = [*grads, *losses]
+        if len(tensors) != self._count:
+            # map() over C-level getters. A shard (DTensor) is left to the full check, which reads its local part
+            self._count, self._fits = len(tensors), bool(tensors) and set(map(type, tensors)) == {Tensor} and all(
+                map(_IS_CPU, tensors)) and sum(map(Tensor.numel, tensors)) <= FINITE_ONLY_ELEMENTS
+        if not self._fits or any(map(_REQUIRES_GRAD, tensors)):
+            return None
+        found = self._found.zero_()
+        try:
+            foreach_non_finite_check_(tensors, found, _ONE)
+        except (RuntimeError, NotImplementedError):  # sparse or complex gradients, one whose elements overlap
+            return None
+        if self._joined is None:
+            self._joined = dist.is_available() and dist.is_initialized()
+        if self._joined:
+            # Every rank takes the same decision at the same step, so none waits in a collective alone.
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return found
 
 
 def _plain(grads: list[Tensor]) -> list[Tensor]:

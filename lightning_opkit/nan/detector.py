@@ -27,7 +27,7 @@ from lightning_opkit.core.facts import facts_of
 from lightning_opkit.core.replay import rng_state
 from lightning_opkit.core.select import resolve_modules
 from lightning_opkit.nan.actions import Actions, BatchState, StepSkipper, pinner
-from lightning_opkit.nan.check import check, flags, outcome
+from lightning_opkit.nan.check import FiniteOnly, check, flags, outcome
 from lightning_opkit.nan.dead import DeadWatch, write_dead
 from lightning_opkit.nan.device import DeviceDecision, check_device_decision
 from lightning_opkit.nan.replays import MicroBatch, Replays
@@ -153,6 +153,11 @@ class NaNDetector(OpkitCallback):
         self._actions = Actions(action, max_consecutive_skips, repair, self._skipper, self._dead)
         self.decide = decide
         self._device = DeviceDecision()
+        # what every checked step reads, fixed for a fit: set at its start (the hooks run with cold caches, where each
+        # Lightning property read costs microseconds)
+        self._quick = FiniteOnly()
+        self._model_device = torch.device("cpu")
+        self._scaler: Any = None
 
     # What is done about a fault is held once, by the actions part that does it: set here, it changes there.
 
@@ -285,7 +290,9 @@ class NaNDetector(OpkitCallback):
             check_device_decision(trainer)
         for optimizer in trainer.optimizers:
             self._skipper.wrap_optimizer(optimizer)
-        self._skipper.watch_scaler(getattr(trainer.precision_plugin, "scaler", None))
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._skipper.watch_scaler(self._scaler)
+        self._quick, self._model_device = FiniteOnly(), pl_module.device
         self._actions.repairs.apply_all(pl_module, pinner(trainer))  # a resumed run keeps its pins
         facts_of(trainer).repairs.update(self._actions.repairs.pinned)
 
@@ -297,6 +304,7 @@ class NaNDetector(OpkitCallback):
         self._skipper.reset()
         self._skipper.watch_schedulers([])
         self._skipper.watch_scaler(None)
+        self._scaler = None
         self._actions.repairs.release()
         self._actions.writer = None
 
@@ -310,7 +318,7 @@ class NaNDetector(OpkitCallback):
             # optimized step may step several optimizers, each checked on the batch.
             self._pending.clear()
             self._stepped = False
-        checking = trainer.global_step % self.every_n_steps == 0
+        checking = self.every_n_steps == 1 or trainer.global_step % self.every_n_steps == 0
         self._skipper.begin_batch(checking, save_buffers=not self._pending)
         if checking:
             # References only: the batch and RNG state are what a replay needs to reproduce this micro-batch.
@@ -346,12 +354,12 @@ class NaNDetector(OpkitCallback):
             return
         pending, self._stepped = list(self._pending), True
         # without spike scores the check needs no norms: on CPU only whether anything is non-finite is asked
-        checked = check(*self._inputs(trainer, pl_module, pending, optimizer), norms=self._spikes.watch is not None)
+        checked = check(*self._inputs(trainer, pl_module, pending, optimizer), norms=self._spikes.watch is not None,
+                        quick=self._quick)
         if checked.dead:
             self._name_dead(trainer, pl_module)
         verdict = outcome(checked, self._spikes.judge if self._spikes.watch is not None else None,
-                          getattr(trainer.precision_plugin, "scaler", None),
-                          lambda: self._replays.forward_fault(trainer, pl_module, pending))
+                          self._scaler, lambda: self._replays.forward_fault(trainer, pl_module, pending))
         if verdict.kind == "healthy":
             self._actions.good_step()
             self._scale_watch.healthy()
@@ -375,11 +383,11 @@ class NaNDetector(OpkitCallback):
                 optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[Tensor], torch.device,
                                                            Callable[[Tensor | None], Tensor] | None]:
         """What a checked step checks (:func:`.check.check`, :func:`.check.flags`): losses, gradients, dead flag."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None] if (
+        grads = [grad for g in optimizer.param_groups for p in g["params"] if (grad := p.grad) is not None] if (
             self.check_backward) else []
         dead = None if self._dead is None else functools.partial(
             self._dead.flag, [p for g in optimizer.param_groups for p in g["params"]], step=trainer.global_step)
-        return [m.loss for m in pending if m.loss is not None], grads, pl_module.device, dead
+        return [m.loss for m in pending if m.loss is not None], grads, self._model_device, dead
 
     def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``decide="device"``: read a checked step's flags, and report and act on a fault, a step late."""

@@ -9,6 +9,7 @@ from lightning_opkit.nan.check import (
     FINITE_ONLY_ELEMENTS,
     OUTCOMES,
     Checked,
+    FiniteOnly,
     Outcome,
     all_finite,
     check,
@@ -130,6 +131,29 @@ def test_the_check_without_norms_hands_over_where_its_pass_does_not_apply_and_th
     # past the size where a norm per gradient costs less
     assert FINITE_ONLY_ELEMENTS < 1 << 24
     assert finite_only([torch.tensor(1.0)], [torch.zeros(FINITE_ONLY_ELEMENTS), nan]) is None
+
+
+def test_one_quick_check_kept_across_steps_says_at_each_what_a_fresh_one_and_an_element_by_element_look_say():
+    """What a fit's :class:`FiniteOnly` keeps between steps (what it allowed, its flag's storage) never carries a step's
+    answer into the next: each step of a mixed sequence is told as a fresh check and an independent look tell it."""
+    quick = FiniteOnly()
+    weight = torch.randn(3, requires_grad=True)
+    (weight.sin().sum()).backward(create_graph=True)
+    steps = [(dtype, bad, losses, grads) for dtype, bad, losses, grads in _cases()]
+    steps.insert(3, ("create_graph", None, [torch.tensor(1.0)], [weight.grad]))  # same count, a graph's gradient
+    steps.insert(5, ("complex", None, [torch.tensor(1.0)], [torch.tensor([1j, 2.0]), torch.ones(2), torch.ones(1)]))
+    steps.insert(8, ("sparse", None, [torch.tensor(1.0)], [torch.ones(3).to_sparse()]))
+    answers = []
+    for dtype, bad, losses, grads in steps:
+        kept, fresh = quick(losses, grads), finite_only(losses, grads)
+        assert (kept is None) == (fresh is None), (dtype, bad)
+        if kept is not None:
+            observed = not all(bool(t.isfinite().all()) for t in losses + grads)
+            assert kept.tolist() == fresh.tolist() == [float(observed)], (dtype, bad)
+        answers.append(None if kept is None else kept.tolist()[0])
+    # the sequence held healthy steps right after faulty ones, and steps the pass hands over between them
+    assert {None, 0.0, 1.0} <= set(answers)
+    assert any(a == 1.0 and b == 0.0 for a, b in zip(answers, answers[1:]))
 
 
 def test_gradients_of_a_create_graph_backward_are_not_written_so_their_graph_still_runs():
