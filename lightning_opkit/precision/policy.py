@@ -408,6 +408,8 @@ class PrecisionPolicy(OpkitCallback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._steps.ends_idle:
+            return  # most batches: nothing measured, trialled or counted (the hooks run with cold caches)
         step = trainer.global_step
         end = self._steps.end(pl_module.device, lambda value: trainer.strategy.broadcast(value, src=0), self.table)
         if end.plan is not None:

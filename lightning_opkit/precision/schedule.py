@@ -156,6 +156,12 @@ class PolicySteps:
                           restore=self.schedule.take_restored() if what == "restore" else None,
                           measure=what == "measure")
 
+    @property
+    def ends_idle(self) -> bool:
+        """Whether a batch's end has nothing to hand over (no trial, speed check or census): most batches."""
+        governor = self.governor
+        return self.auto.idle and governor.recorded is None and governor.census_done is None
+
     def end(self, device: torch.device, agree: Callable[[Any], Any], table: dict[str, str]) -> BatchEnd:
         """At the batch's end: a trial's winner, the speed check of the recorded step, the census's rows.
 
@@ -165,7 +171,7 @@ class PolicySteps:
             table: the class table in force (what the speed check times against fp32).
         """
         governor = self.governor
-        if self.auto.idle and governor.recorded is None and governor.census_done is None:
+        if self.ends_idle:
             return _NOTHING_ENDS  # most batches (this runs at every one)
         plan = self.auto.end_trial_step(device, agree)
         log, census, governor.recorded, governor.census_done = governor.recorded, governor.census_done, None, None
