@@ -550,12 +550,40 @@ def alone(make, steps: int, reps: int, between: Callable[[int], bool]) -> None:
         print(f"    {name:<26} {1e3 * median:8.2f} ms/step   ratio {median / base:.3f}")
 
 
+def suite_checked_steps(args) -> None:
+    """NaNDetector's cost per checked step by step time, paired in one run: an observer outside its hooks' clock.
+
+    ``NaNDetector(every_n_steps=2)`` checks the even steps only: each checked step's time minus the unchecked step
+    after it, median over the run (steps past 20), is what checking adds to a step, moved costs included (work the
+    hooks do that the step would otherwise do, or leave the step to do). The same pairing with no callback and with
+    every step checked is the A/A: both steps of each pair alike.
+    """
+    steps = max(args.steps, 400)
+    for title, make in {"hf_gpt2 (zoo)": zoo_variant("hf_gpt2"), "hf_llama (zoo)": zoo_variant("hf_llama")}.items():
+        variants = {"no callback (A/A)": list, "every step checked (A/A)": lambda: [NaNDetector()],
+                    "every other step checked": lambda: [NaNDetector(every_n_steps=2)]}
+        found: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+        for _ in range(args.reps):
+            for name, callbacks in variants.items():
+                timer = StepTimer()
+                run(lambda make=make, callbacks=callbacks: make(callbacks()), steps, 0, timer)
+                ticks = timer.intervals()[20:]  # step 20 is checked: pairs (20, 21), (22, 23), ...
+                pairs = [a - b for a, b in zip(ticks[0::2], ticks[1::2])]
+                found[name].append((statistics.median(pairs), statistics.median(ticks)))
+        print(f"\n== A checked step minus the unchecked step after it, {title} ({args.reps} runs of {steps} steps)")
+        for name, values in found.items():
+            added, step = statistics.median(d for d, _ in values), statistics.median(t for _, t in values)
+            spread = ", ".join(f"{1e6 * d:+.0f}" for d, _ in values)
+            print(f"  {name:<26} {1e6 * added:+7.1f} us = {100 * added / step:+.2f}% of its {1e3 * step:.2f} ms step"
+                  f"   (runs: {spread} us)")
+
+
 SUITES = {"nan": suite_nan, "nan_check": suite_nan_check, "nan_device": suite_nan_device, "precision": suite_precision,
           "precision_loop": suite_precision_loop,
           "precision_auto": suite_precision_auto,
           "precision_compile": suite_precision_compile,
           "profiler": suite_profiler, "compile": suite_compile, "cold_start": suite_cold_start, "kit": suite_kit,
-          "ranges": suite_ranges}
+          "ranges": suite_ranges, "checked_steps": suite_checked_steps}
 
 
 def main() -> None:
