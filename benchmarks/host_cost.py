@@ -19,7 +19,7 @@ median of many repetitions is kept. Rows:
 Each row prints its step time over autocast's: the targets are 1.2x for an autocast-expressible table and 1.5x for
 one autocast cannot express.
 
-    python benchmarks/host_cost.py [--accelerator cuda]
+    python benchmarks/host_cost.py [--accelerator cuda] [--threads 1]
 """
 
 from __future__ import annotations
@@ -112,7 +112,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: as torch starts)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = args.accelerator
     torch.manual_seed(0)
     net = nn.Sequential(*[Block(8) for _ in range(BLOCKS)]).to(device)
