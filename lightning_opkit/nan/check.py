@@ -285,11 +285,8 @@ class FiniteOnly:
         except (RuntimeError, NotImplementedError):  # sparse or complex gradients, one whose elements overlap
             return None
         if self._joined is None:
-            self._joined = dist.is_available() and dist.is_initialized()
-        if self._joined:
-            # Every rank takes the same decision at the same step, so none waits in a collective alone.
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return found
+            self._joined = _joined()
+        return _any_rank(found, self._joined)
 
 
 def _plain(grads: list[Tensor]) -> list[Tensor]:
@@ -327,8 +324,13 @@ def _exactly_non_finite(grads: list[Tensor]) -> bool:
     return bool(_any_rank(exact.float().reshape(1)).item() > 0)
 
 
-def _any_rank(flags: Tensor) -> Tensor:
-    if dist.is_available() and dist.is_initialized():
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _any_rank(flags: Tensor, joined: bool | None = None) -> Tensor:
+    """``flags``' maximum over ranks, in place; ``joined``: whether ranks are joined, if already known."""
+    if _joined() if joined is None else joined:
         # Every rank takes the same decision at the same step, so none waits in a collective alone.
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags
